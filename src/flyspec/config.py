@@ -1,0 +1,170 @@
+"""Frozen, validated configuration: the one home of every default.
+
+Mapping to the paper and the authors' released code:
+
+* ``k`` is the draft block length (the paper's K, default 15).
+* ``window`` is W, the number of draft tokens *after* a mismatch that must all match the
+  target exactly for the mismatch to be kept loosely (default 6, as in the paper). The authors'
+  code counts a pattern of ``win_len`` positions that includes the mismatch itself, so their
+  ``win_len = 6`` is our ``window = 5``; our ``window = 6`` is their ``win_len = 7``.
+* ``theta`` is the entropy threshold of the gate (default 0.3); ``entropy="top3"`` is the
+  authors' top-3 entropy in nats, ``entropy="normalized"`` the paper's full-vocabulary entropy
+  divided by log |V|.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from flyspec.errors import FlyspecError
+
+Mode = Literal["target", "spd", "fly"]
+DrafterName = Literal["model", "ngram", "mla"]
+EntropyKind = Literal["top3", "normalized"]
+
+MODES: tuple[str, ...] = ("target", "spd", "fly")
+DRAFTERS: tuple[str, ...] = ("model", "ngram", "mla")
+ENTROPY_KINDS: tuple[str, ...] = ("top3", "normalized")
+
+DEFAULT_K = 15
+DEFAULT_WINDOW = 6
+DEFAULT_THETA = 0.3
+DEFAULT_MAX_NGRAM = 4
+DEFAULT_MLA_PROPOSALS = 6
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class ConfigError(FlyspecError, ValueError):
+    """A configuration value is out of range or unknown."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class FlyConfig:
+    """The loosening rule: entropy gate plus deferred window (DESIGN.md section 2)."""
+
+    window: int = DEFAULT_WINDOW
+    theta: float = DEFAULT_THETA
+    entropy: EntropyKind = "top3"
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.window, int) and self.window >= 0,
+            f"window must be an integer >= 0, got {self.window!r}",
+        )
+        _check(
+            isinstance(self.theta, (int, float)) and not math.isnan(self.theta) and self.theta >= 0,
+            f"theta must be a number >= 0 (inf switches loosening off), got {self.theta!r}",
+        )
+        _check(
+            self.entropy in ENTROPY_KINDS,
+            f"entropy must be one of {', '.join(ENTROPY_KINDS)}, got {self.entropy!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's tokens are chosen; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
+        )
+        _check(
+            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One request's decoding settings.
+
+    ``mode``: ``target`` (target alone, the baseline), ``spd`` (exact speculative decoding) or
+    ``fly`` (exact matches plus loosely accepted mismatches). ``drafter``: ``model`` (the draft
+    model), ``ngram`` (prompt lookup) or ``mla`` (draft model sped up by n-gram proposals).
+    """
+
+    mode: Mode = "fly"
+    drafter: DrafterName = "model"
+    k: int = DEFAULT_K
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    fly: FlyConfig = field(default_factory=FlyConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    draft_temperature: float = 0.0
+    max_ngram: int = DEFAULT_MAX_NGRAM
+    mla_proposals: int = DEFAULT_MLA_PROPOSALS
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check(
+            self.drafter in DRAFTERS,
+            f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}",
+        )
+        _check(
+            isinstance(self.k, int) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}"
+        )
+        _check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        _check(
+            isinstance(self.draft_temperature, (int, float))
+            and math.isfinite(self.draft_temperature)
+            and self.draft_temperature >= 0,
+            f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
+        )
+        _check(
+            isinstance(self.max_ngram, int) and self.max_ngram >= 1,
+            f"max_ngram must be an integer >= 1, got {self.max_ngram!r}",
+        )
+        _check(
+            isinstance(self.mla_proposals, int) and self.mla_proposals >= 1,
+            f"mla_proposals must be an integer >= 1, got {self.mla_proposals!r}",
+        )
+        _check(
+            not (self.drafter == "mla" and self.draft_temperature > 0),
+            "the mla drafter drafts greedily; it cannot be combined with draft_temperature > 0",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop strings must be non-empty strings, got {self.stop!r}",
+        )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.mode != "target" and self.drafter in ("model", "mla")
+
+    @property
+    def loosening(self) -> FlyConfig | None:
+        """The FLy rule in force, or None for lossless decoding."""
+        if self.mode != "fly" or math.isinf(self.fly.theta):
+            return None
+        return self.fly
+
+    def with_updates(self, **changes: object) -> DecodeConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

@@ -1,0 +1,58 @@
+"""Multi-level acceleration (MLA): the draft model, sped up by n-gram proposals.
+
+Each draft-model forward scores up to ``proposals`` n-gram tokens at once; the draft keeps the
+leading ones that equal its own greedy choice plus one token of its own. The block is therefore
+the draft model's plain greedy block; MLA changes how many forwards it costs, not what it says.
+Where no n-gram matches, the step is an ordinary one-token draft step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
+from flyspec.drafters.base import Draft
+from flyspec.drafters.ngram import find_ngram_continuation
+from flyspec.models.cache import CachedLM
+
+
+class MlaDrafter:
+    """Greedy model drafting that verifies prompt-lookup proposals in its own forwards."""
+
+    def __init__(
+        self,
+        lm: CachedLM,
+        *,
+        proposals: int = DEFAULT_MLA_PROPOSALS,
+        max_ngram: int = DEFAULT_MAX_NGRAM,
+    ) -> None:
+        self.lm = lm
+        self.proposals = proposals
+        self.max_ngram = max_ngram
+        self.proposed = 0  # n-gram tokens offered to the draft model (this request)
+        self.kept = 0  # of those, the ones equal to its greedy choice
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        sequence = list(context)
+        tokens: list[int] = []
+        while len(tokens) < k:
+            # Room for the proposal plus the draft model's own token.
+            room = min(self.proposals, k - len(tokens) - 1)
+            proposal = find_ngram_continuation(sequence, k=room, max_ngram=self.max_ngram)
+            greedy = self.lm.logits(sequence + proposal, len(proposal) + 1).argmax(dim=-1)
+            matches = 0
+            while matches < len(proposal) and proposal[matches] == int(greedy[matches]):
+                matches += 1
+            step = proposal[:matches] + [int(greedy[matches])]
+            self.proposed += len(proposal)
+            self.kept += matches
+            tokens.extend(step)
+            sequence.extend(step)
+        return Draft(tokens=torch.tensor(tokens[:k], dtype=torch.long))
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.proposed = 0
+        self.kept = 0

@@ -1,0 +1,50 @@
+"""Drafting with a small causal LM, one token per forward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flyspec.config import SamplingConfig
+from flyspec.drafters.base import Draft
+from flyspec.models.cache import CachedLM
+from flyspec.verify import sampling_probs
+
+
+class ModelDrafter:
+    """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
+    the block carries the distributions it was sampled from, for lossless verification)."""
+
+    def __init__(
+        self,
+        lm: CachedLM,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.lm = lm
+        self.sampling = SamplingConfig(temperature=temperature)
+        self.generator = generator
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        sequence = list(context)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.lm.logits(sequence, 1)[0]  # [V]
+            if self.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                step_probs = sampling_probs(logits, self.sampling)
+                token = int(torch.multinomial(step_probs, 1, generator=self.generator))
+                probs.append(step_probs)
+            tokens.append(token)
+            sequence.append(token)
+        return Draft(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            probs=torch.stack(probs) if probs else None,
+        )
+
+    def reset(self) -> None:
+        self.lm.reset()

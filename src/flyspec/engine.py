@@ -1,0 +1,244 @@
+"""The user-facing engine: a loaded model pair plus text in, text out.
+
+``Engine.stream`` yields text pieces as tokens are committed and applies stop strings;
+``Engine.generate`` runs one request to the end and returns the text with its statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flyspec.config import DecodeConfig
+from flyspec.decode import Origin, SpeculativeDecoder, TokenEvent
+from flyspec.errors import FlyspecError
+from flyspec.stats import RequestStats
+
+
+class StopTextDecoder:
+    """Incremental detokenisation that releases text only when it is final.
+
+    Text that could still become a stop string is held back; once a stop string appears the
+    text is cut right before it and :attr:`stopped` turns True. An incomplete UTF-8 sequence at
+    the end (decoded as U+FFFD) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(
+            self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def add(self, token: int) -> str:
+        """Take one token; return the text that became final with it (maybe empty)."""
+        if self.stopped:
+            return ""
+        self.token_ids.append(token)
+        text = self._decode()
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        stop_at = self._first_stop(text)
+        if stop_at is not None:
+            self.stopped = True
+            self.text = text[:stop_at]
+            return self._release(stop_at)
+        return self._release(len(text) - self._held_back(text))
+
+    def flush(self) -> str:
+        """At the end of generation: everything not yet released."""
+        return "" if self.stopped else self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.released : max(end, self.released)]
+        self.released = max(end, self.released)
+        return piece
+
+    def _first_stop(self, text: str) -> int | None:
+        found = [
+            index
+            for stop in self.stop
+            if (index := text.find(stop, max(0, self.released - len(stop) + 1))) >= 0
+        ]
+        return min(found) if found else None
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if stop.startswith(text[-size:]):
+                    longest = size
+                    break
+        return longest
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """Text released after one committed token, with how that token was obtained. The last
+    chunk of a request may carry held-back text only (``token`` None)."""
+
+    text: str
+    token: int | None
+    origin: Origin
+
+
+@dataclass
+class GenerationResult:
+    """A finished request."""
+
+    text: str
+    token_ids: list[int]
+    origins: list[Origin]
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict()}
+
+
+class Engine:
+    """A target model, an optional draft model sharing its tokenizer, and the tokenizer."""
+
+    def __init__(
+        self,
+        *,
+        target_model: torch.nn.Module,
+        tokenizer,
+        draft_model: torch.nn.Module | None = None,
+        target_name: str = "target",
+        draft_name: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.target_name = target_name
+        self.draft_name = draft_name
+        self.decoder = SpeculativeDecoder(
+            target_model, draft_model, eos_token_ids=eos_token_ids(tokenizer, target_model)
+        )
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        target: str | None = None,
+        draft: str | None = None,
+        with_draft: bool = True,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Engine:
+        """Load a pair (the embedded default pair where a name is None) and check that the
+        two tokenizers agree. ``with_draft=False`` skips the draft (target-only decoding)."""
+        from flyspec.models import (
+            check_same_tokenizer,
+            default_pair_paths,
+            load_causal_lm,
+            load_tokenizer,
+        )
+
+        if target is None or (with_draft and draft is None):
+            defaults = default_pair_paths()
+            target = target or str(defaults.target)
+            draft = draft or str(defaults.draft)
+        tokenizer = load_tokenizer(target)
+        draft_model = None
+        if with_draft:
+            check_same_tokenizer(
+                load_tokenizer(draft), tokenizer, draft_name=draft, target_name=target
+            )
+            draft_model = load_causal_lm(draft, dtype=dtype, device=device)
+        target_model = load_causal_lm(target, dtype=dtype, device=device)
+        return cls(
+            target_model=target_model,
+            draft_model=draft_model,
+            tokenizer=tokenizer,
+            target_name=target,
+            draft_name=draft if with_draft else None,
+        )
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set."""
+        if not prompt or not prompt.strip():
+            raise FlyspecError("the prompt is empty")
+        if chat:
+            return self.encode_messages([{"role": "user", "content": prompt}])
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        if not messages:
+            raise FlyspecError("messages must not be empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FlyspecError("this tokenizer has no chat template; send a raw prompt instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        config: DecodeConfig,
+        *,
+        stats: RequestStats | None = None,
+    ) -> Iterator[TextChunk]:
+        """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
+        ``config.max_new_tokens``."""
+        stats = stats if stats is not None else RequestStats()
+        text = StopTextDecoder(self.tokenizer, config.stop)
+        events: Iterator[TokenEvent] = self.decoder.stream(prompt_ids, config, stats=stats)
+        last: TokenEvent | None = None
+        try:
+            for event in events:
+                last = event
+                piece = text.add(event.token)
+                yield TextChunk(text=piece, token=event.token, origin=event.origin)
+                if text.stopped:
+                    break
+        finally:
+            events.close()
+        if text.stopped:
+            stats.finish_reason = "stop"
+        elif last is not None:
+            tail = text.flush()
+            if tail:
+                yield TextChunk(text=tail, token=None, origin=last.origin)
+
+    def generate(
+        self, prompt: str | Sequence[int], config: DecodeConfig, *, chat: bool = False
+    ) -> GenerationResult:
+        """Run one request to the end."""
+        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt
+        stats = RequestStats()
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        origins: list[Origin] = []
+        for chunk in self.stream(prompt_ids, config, stats=stats):
+            pieces.append(chunk.text)
+            if chunk.token is not None:
+                token_ids.append(chunk.token)
+                origins.append(chunk.origin)
+        return GenerationResult(
+            text="".join(pieces), token_ids=token_ids, origins=origins, stats=stats
+        )
+
+
+def eos_token_ids(tokenizer, model: torch.nn.Module) -> set[int]:
+    """Every token that ends a request: the tokenizer's EOS and the model's generation config."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    return ids

@@ -1,0 +1,76 @@
+"""A causal LM paired with its KV cache, and the one place that crops a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Shorten ``cache`` in place so that it holds its first ``length`` positions.
+
+    transformers 5.24 takes the number of positions to *remove*, as a negative number (a
+    positive absolute length raises); 4.x read a negative argument the same way, so this form
+    works on both.
+    """
+    current = cache.get_seq_length()
+    if length < 0 or length > current:
+        raise ValueError(f"cannot crop a cache of {current} positions to {length}")
+    if length < current:
+        cache.crop(length - current)
+
+
+def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    limit = min(len(cached), len(tokens))
+    if list(cached[:limit]) == list(tokens[:limit]):
+        return limit
+    for i in range(limit):
+        if cached[i] != tokens[i]:
+            return i
+    return limit  # pragma: no cover - the slice comparison above returns first
+
+
+class CachedLM:
+    """A causal LM with a KV cache and a record of the token ids the cache holds.
+
+    :meth:`logits` takes the *whole* sequence each time and reuses the longest cached prefix,
+    so callers never track cache positions: after a block is verified, the next call with the
+    committed sequence crops away the rejected positions by itself.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+        self.cached_tokens: list[int] = []
+        self.forward_calls = 0
+
+    def reset(self) -> None:
+        """Forget everything cached (a new request)."""
+        self.cache = DynamicCache()
+        self.cached_tokens = []
+        self.forward_calls = 0
+
+    @torch.inference_mode()
+    def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """Logits for the last ``num_logits`` positions of ``tokens``: ``[num_logits, V]``.
+
+        Row ``j`` predicts the token after ``tokens[len(tokens) - num_logits + j]``.
+        """
+        if not 1 <= num_logits <= len(tokens):
+            raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
+        reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
+        crop_cache(self.cache, reuse)
+        new_tokens = torch.tensor([list(tokens[reuse:])], dtype=torch.long, device=self.device)
+        output = self.model(
+            input_ids=new_tokens,
+            cache=self.cache,  # updated in place
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        self.cached_tokens = list(tokens)
+        self.forward_calls += 1
+        return output.logits[0, -num_logits:]

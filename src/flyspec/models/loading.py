@@ -1,0 +1,220 @@
+"""Loading causal LMs and tokenizers from a local folder, a GGUF file or the offline HF cache.
+
+A model *spec* is one of:
+
+- a local folder holding a Hugging Face checkpoint (``config.json`` + weights + tokenizer files);
+- a path to a ``.gguf`` file (transformers dequantises it while loading; slow for big models, so
+  convert once with :mod:`flyspec.models.default_pair` or ``save_pretrained``);
+- a hub id such as ``Qwen/Qwen2.5-Coder-0.5B-Instruct``, resolved from the local Hugging Face
+  cache only: flyspec never downloads from the hub.
+
+Every user mistake (missing path, uncached hub id, mismatched tokenizers, unknown device) is raised
+as :class:`flyspec.errors.FlyspecError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flyspec.errors import FlyspecError
+
+# "name" or "owner/name": letters, digits, '-', '_', '.'; no leading dot, no '..'.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+_HOW_TO_PROVIDE = (
+    "pass a local folder with config.json, a .gguf file, or a hub id already in the Hugging Face "
+    "cache (e.g. fetched elsewhere with `hf download`); `flyspec models pull` installs the "
+    "default pair"
+)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where `from_pretrained` should look: a folder or hub id, maybe a GGUF file name."""
+
+    location: str
+    gguf_file: str | None
+    local_files_only: bool
+    display: str
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """True when `spec` has the shape of a Hugging Face hub id (``name`` or ``owner/name``)."""
+    return bool(_HUB_ID.match(spec)) and ".." not in spec and not spec.lower().endswith(".gguf")
+
+
+def _resolve_source(spec: str) -> _Source:
+    if not isinstance(spec, str) or not spec.strip():
+        raise FlyspecError(f"empty model spec; {_HOW_TO_PROVIDE}")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f"; it holds {ggufs[0]}: pass that file instead" if ggufs else ""
+            raise FlyspecError(f"not a model folder (no config.json): {path}{hint}")
+        return _Source(str(path), None, True, str(path))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise FlyspecError(
+                f"model path is a file but not a .gguf file: {path}; "
+                "pass its folder or a .gguf file"
+            )
+        return _Source(str(path.parent), path.name, True, str(path))
+    if looks_like_hub_id(spec):
+        return _Source(spec, None, True, spec)
+    raise FlyspecError(f"model path does not exist: {path}; {_HOW_TO_PROVIDE}")
+
+
+def _require_accelerate() -> None:
+    # transformers refuses GGUF files without accelerate; say so in our words, before the slow part.
+    if importlib.util.find_spec("accelerate") is None:
+        raise FlyspecError(
+            "loading a .gguf file needs the `accelerate` package: pip install accelerate"
+        )
+
+
+def _load_failed(source: _Source, what: str, error: Exception) -> FlyspecError:
+    if Path(source.location).is_dir() or not isinstance(error, OSError):
+        return FlyspecError(f"could not load the {what} from {source.display}: {_one_line(error)}")
+    # transformers raises OSError for a hub id that is not in the local cache.
+    return FlyspecError(
+        f"model {source.display!r} was not found locally (not a folder, not in the Hugging Face "
+        f"cache, and flyspec does not download); {_HOW_TO_PROVIDE}"
+    )
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def resolve_device(device: str | None) -> str:
+    """Map ``None``/``"auto"`` to ``"cuda"`` when a GPU is usable, else ``"cpu"``; validate others.
+
+    Accepted: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``. A device that is not available here
+    raises FlyspecError.
+    """
+    if device is None or device.strip().lower() in ("", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = device.strip().lower()
+    if name == "cpu":
+        return "cpu"
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if match:
+        if not torch.cuda.is_available():
+            raise FlyspecError(
+                f"device {device!r} asked for, but no CUDA GPU is available; use cpu"
+            )
+        if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+            raise FlyspecError(
+                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) here"
+            )
+        return name
+    if name == "mps":
+        if not torch.backends.mps.is_available():
+            raise FlyspecError("device 'mps' asked for, but MPS is not available here; use cpu")
+        return name
+    raise FlyspecError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+
+
+def load_causal_lm(
+    spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> transformers.PreTrainedModel:
+    """Load a causal LM from a folder, a ``.gguf`` file or the offline HF cache, in eval mode."""
+    source = _resolve_source(spec)
+    target_device = resolve_device(device)
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": source.local_files_only}
+    if source.gguf_file is not None:
+        _require_accelerate()
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except FlyspecError:
+        raise
+    except Exception as error:  # transformers, safetensors and gguf raise many kinds
+        raise _load_failed(source, "model", error) from error
+    if source.gguf_file is not None:
+        release_gguf_quantizer(model)
+    model.to(target_device)
+    model.eval()
+    return model
+
+
+def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
+    """Load the tokenizer belonging to a model spec (same resolution rules as `load_causal_lm`)."""
+    source = _resolve_source(spec)
+    kwargs: dict[str, Any] = {"local_files_only": source.local_files_only}
+    if source.gguf_file is not None:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(source.location, **kwargs)
+    except FlyspecError:
+        raise
+    except Exception as error:  # transformers, tokenizers and gguf raise many kinds
+        raise _load_failed(source, "tokenizer", error) from error
+
+
+def release_gguf_quantizer(model: transformers.PreTrainedModel) -> None:
+    """Mark a model loaded from GGUF (and already dequantised to dense tensors) as a plain model.
+
+    transformers 5.24 leaves a GGUF-loaded model marked as quantised even when it dequantised every
+    weight (the legacy loader, used for qwen2/llama): ``model.hf_quantizer`` (a
+    ``GgufHfQuantizer``), ``model.is_quantized``, ``model.quantization_method``,
+    ``config.quantization_config`` and ``config._is_quantized``. ``save_pretrained`` then refuses
+    ("quantized with gguf and is not serializable"), and ``.half()``/``.float()`` refuse too. This
+    clears those attributes on *this* object only. A model whose weights stayed packed in GGUF
+    blocks (the ``kernels`` fast path) is left alone, since it really is quantised.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if getattr(quantizer.quantization_config, "quant_method", None) != "gguf":
+        return
+    if getattr(quantizer, "packed_modules", None):
+        return
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if "quantization_method" in vars(model):
+        del model.quantization_method
+    for config in {
+        id(m.config): m.config for m in model.modules() if hasattr(m, "config")
+    }.values():
+        if "quantization_config" in vars(config):
+            del config.quantization_config
+        if "_is_quantized" in vars(config):
+            del config._is_quantized
+
+
+def check_same_tokenizer(
+    draft_tokenizer: transformers.PreTrainedTokenizerBase,
+    target_tokenizer: transformers.PreTrainedTokenizerBase,
+    *,
+    draft_name: str,
+    target_name: str,
+) -> None:
+    """Raise FlyspecError unless draft and target tokenizers share vocabulary and EOS token."""
+    draft_vocab = draft_tokenizer.get_vocab()
+    target_vocab = target_tokenizer.get_vocab()
+    if draft_vocab != target_vocab:
+        differing = sum(1 for tok, idx in draft_vocab.items() if target_vocab.get(tok) != idx)
+        differing += sum(1 for tok in target_vocab if tok not in draft_vocab)
+        raise FlyspecError(
+            f"draft {draft_name!r} and target {target_name!r} use different tokenizers "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} entries differ); "
+            "speculative decoding needs one vocabulary: pick a draft from the target's model family"
+        )
+    if draft_tokenizer.eos_token_id != target_tokenizer.eos_token_id:
+        raise FlyspecError(
+            f"draft {draft_name!r} and target {target_name!r} disagree on the end-of-sequence "
+            "token "
+            f"(id {draft_tokenizer.eos_token_id} vs {target_tokenizer.eos_token_id}); "
+            "pick a draft from the target's model family"
+        )

@@ -1,0 +1,32 @@
+"""Process-level settings for fast CPU inference, applied by the command-line entry points.
+
+They must be in place before torch loads its math libraries, so the CLI calls
+:func:`configure_cpu_math` before it imports torch. Library users set them themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_has_avx2() -> bool:
+    """True on an x86 CPU that reports AVX2 (Linux only; False where unknown)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def configure_cpu_math() -> None:
+    """Pin MKL to its AVX2 code path on AVX2 CPUs unless the user chose one.
+
+    Measured on this project's 2-core AMD EPYC machine: a 16-token forward of the 1.5B target
+    costs 2.1x a 1-token forward with ``MKL_CBWR=AVX2`` instead of 3.3x by default, which is
+    what makes verifying a whole draft block cheap (DESIGN.md section 6).
+    """
+    if "MKL_CBWR" not in os.environ and cpu_has_avx2():
+        os.environ["MKL_CBWR"] = "AVX2"

@@ -1,0 +1,116 @@
+"""Per-round and per-request statistics of speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One round: draft ``drafted`` tokens, verify, keep ``accepted + loosely_accepted`` of
+    them and emit ``emitted`` tokens (the kept ones plus a correction or bonus, fewer when the
+    request ended inside the round)."""
+
+    drafted: int
+    accepted: int
+    loosely_accepted: int
+    emitted: int
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def rejected(self) -> int:
+        """Draft tokens not kept: the one at the cut and every one after it."""
+        return self.drafted - self.accepted - self.loosely_accepted
+
+
+@dataclass
+class RequestStats:
+    """Statistics of one request, filled in by the decoding loop as it runs.
+
+    ``accepted`` counts exact acceptances, ``loosely_accepted`` the mismatches FLy kept;
+    ``tau`` is the mean number of tokens emitted per round (1 for the target alone);
+    ``seconds`` is the time spent inside the decoder (prefill included, the caller's time
+    between tokens excluded).
+    """
+
+    prompt_tokens: int = 0
+    rounds: list[RoundStats] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0
+    finish_reason: str | None = None
+
+    def add_round(self, round_stats: RoundStats) -> None:
+        self.rounds.append(round_stats)
+
+    def _total(self, name: str) -> int | float:
+        return sum(getattr(r, name) for r in self.rounds)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def drafted(self) -> int:
+        return int(self._total("drafted"))
+
+    @property
+    def accepted(self) -> int:
+        return int(self._total("accepted"))
+
+    @property
+    def loosely_accepted(self) -> int:
+        return int(self._total("loosely_accepted"))
+
+    @property
+    def rejected(self) -> int:
+        return int(self._total("rejected"))
+
+    @property
+    def emitted(self) -> int:
+        return int(self._total("emitted"))
+
+    @property
+    def draft_seconds(self) -> float:
+        return float(self._total("draft_seconds"))
+
+    @property
+    def verify_seconds(self) -> float:
+        return float(self._total("verify_seconds"))
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.num_rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        """The summary figures under their public names (CLI ``--json``, server, bench)."""
+        return {
+            "rounds": self.num_rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "loosely_accepted": self.loosely_accepted,
+            "rejected": self.rejected,
+            "emitted": self.emitted,
+            "tau": round(self.tau, 4),
+            "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+        }
+
+    def summary_line(self) -> str:
+        """One human line: the figures a user looks at first."""
+        return (
+            f"{self.emitted} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.2f} tok/s), "
+            f"{self.num_rounds} rounds, tau {self.tau:.2f}; drafted {self.drafted}: "
+            f"accepted {self.accepted}, loosely {self.loosely_accepted}, "
+            f"rejected {self.rejected}; drafting {self.draft_seconds:.2f}s, "
+            f"verifying {self.verify_seconds:.2f}s, prefill {self.prefill_seconds:.2f}s"
+        )

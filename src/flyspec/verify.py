@@ -1,0 +1,249 @@
+"""Verification of one draft block: pure tensor functions, no models, no caches.
+
+Notation (DESIGN.md section 2), 0-based: ``K`` draft tokens ``draft_tokens[0..K-1]``; target
+logits ``target_logits[0..K]`` from one forward over ``[last_committed, draft_tokens...]``, so
+row ``i`` scores position ``i`` and row ``K`` gives the bonus token. ``V`` is the vocabulary size.
+
+A block is verified in three steps: decide which positions the target *accepts* (exact match at
+temperature 0, lossless speculative sampling above), let FLy *loosely accept* some of the
+rejected positions (entropy gate + deferred window), then cut at the first position kept by
+neither and append the target's *correction* there, or the *bonus* token when all were kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flyspec.config import FlyConfig, SamplingConfig
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one block of ``num_drafted`` draft tokens.
+
+    The round emits ``draft_tokens[:num_accepted]`` and then ``next_token``: the target's
+    correction at position ``num_accepted`` if ``num_accepted < num_drafted``, else the bonus.
+    ``loose_positions`` are the indices (all ``< num_accepted``) kept loosely by FLy.
+    """
+
+    num_drafted: int
+    num_accepted: int
+    loose_positions: tuple[int, ...]
+    next_token: int
+
+    @property
+    def is_bonus(self) -> bool:
+        return self.num_accepted == self.num_drafted
+
+    @property
+    def num_loose(self) -> int:
+        return len(self.loose_positions)
+
+    @property
+    def num_emitted(self) -> int:
+        return self.num_accepted + 1
+
+
+# --------------------------------------------------------------------------- entropy
+
+
+def top3_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats restricted to the 3 most likely tokens: ``[..., V] -> [...]``.
+
+    The probabilities come from the full softmax of the raw logits and are not renormalised
+    (the authors' released gate). Only the top 3 logits and a logsumexp are needed.
+    """
+    logits = logits.float()
+    top_logits = logits.topk(min(3, logits.shape[-1]), dim=-1).values
+    top_log_probs = top_logits - logits.logsumexp(dim=-1, keepdim=True)
+    return -(top_log_probs.exp() * top_log_probs).sum(dim=-1)
+
+
+def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary entropy divided by log |V| (in [0, 1]): ``[..., V] -> [...]``."""
+    probs = logits.float().softmax(dim=-1)
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
+    return entropy / math.log(logits.shape[-1])
+
+
+def target_entropy(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """The gate's entropy of the kind named in :class:`FlyConfig`: ``[..., V] -> [...]``."""
+    if kind == "top3":
+        return top3_entropy(logits)
+    if kind == "normalized":
+        return normalized_entropy(logits)
+    raise ValueError(f"unknown entropy kind {kind!r}")
+
+
+# --------------------------------------------------------------------------- FLy rule
+
+
+def loose_acceptance(
+    accepted: torch.Tensor, entropy: torch.Tensor, *, window: int, theta: float
+) -> torch.Tensor:
+    """Which rejected positions FLy keeps loosely: ``bool[K], float[K] -> bool[K]``.
+
+    A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
+    and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
+    window to fit in the block (``i + window <= K - 1``). A second rejection inside the window
+    means the target is correcting a real error, so the first one stays rejected.
+    """
+    num_drafted = accepted.shape[0]
+    rejected = ~accepted
+    # rejections_before[j] = number of rejected positions in [0, j).
+    rejections_before = torch.zeros(num_drafted + 1, dtype=torch.long, device=accepted.device)
+    rejections_before[1:] = rejected.long().cumsum(0)
+    positions = torch.arange(num_drafted, device=accepted.device)
+    window_end = positions + window + 1  # exclusive end of the window after position i
+    fits = window_end <= num_drafted
+    clamped_end = window_end.clamp(max=num_drafted)
+    clean_window = rejections_before[clamped_end] == rejections_before[positions + 1]
+    return rejected & (entropy >= theta) & fits & clean_window
+
+
+def first_unkept(kept: torch.Tensor) -> int:
+    """Index of the first False in ``bool[K]``, or K when all are True."""
+    return int(kept.long().cumprod(0).sum())
+
+
+def _verdict(
+    *,
+    accepted: torch.Tensor,
+    loose: torch.Tensor,
+    next_token_at: Callable[[int], int],
+) -> Verdict:
+    num_drafted = accepted.shape[0]
+    num_accepted = first_unkept(accepted | loose)
+    loose_positions = tuple(int(i) for i in loose[:num_accepted].nonzero().flatten())
+    return Verdict(
+        num_drafted=num_drafted,
+        num_accepted=num_accepted,
+        loose_positions=loose_positions,
+        next_token=int(next_token_at(num_accepted)),
+    )
+
+
+# --------------------------------------------------------------------------- temperature 0
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    fly: FlyConfig | None,
+) -> Verdict:
+    """Greedy verification (temperature 0), exact or FLy.
+
+    ``draft_tokens``: ``long[K]``; ``target_logits``: ``[K+1, V]``. With ``fly=None`` the
+    result is lossless: the emitted tokens are exactly the target's greedy tokens.
+    """
+    target_tokens = target_logits.argmax(dim=-1)  # [K+1]
+    num_drafted = draft_tokens.shape[0]
+    accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
+    loose = torch.zeros_like(accepted)
+    if fly is not None and num_drafted and not bool(accepted.all()):
+        block_logits = target_logits[:num_drafted]
+        entropy = target_entropy(block_logits, fly.entropy)
+        possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
+        loose = possible & loose_acceptance(accepted, entropy, window=fly.window, theta=fly.theta)
+    return _verdict(accepted=accepted, loose=loose, next_token_at=lambda n: target_tokens[n])
+
+
+# --------------------------------------------------------------------------- temperature > 0
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Probabilities the target samples from: temperature, then top-k, then top-p. ``[..., V]``.
+
+    Requires ``sampling.temperature > 0``. Tokens outside top-k / top-p get probability 0.
+    """
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth_largest = scaled.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, -math.inf)
+    if sampling.top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_above >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, -math.inf)
+    return scaled.softmax(dim=-1)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    *,
+    fly: FlyConfig | None,
+    target_logits: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Lossless speculative sampling, optionally loosened by FLy.
+
+    ``draft_tokens``: ``long[K]``; ``draft_probs``: ``[K, V]`` the distributions the draft
+    sampled from, or None for a deterministic (greedy or n-gram) draft, i.e. one-hot;
+    ``target_probs``: ``[K+1, V]`` from :func:`sampling_probs`; ``target_logits``: the raw
+    ``[K+1, V]`` logits the FLy gate measures entropy on (needed when ``fly`` is set).
+
+    Position ``i`` is accepted with probability ``min(1, target/draft)`` at the draft token;
+    FLy then loosely keeps some rejected positions, never one the target gives probability 0.
+    At the cut the correction is sampled from ``normalise(max(0, target - draft))``.
+    """
+    num_drafted = draft_tokens.shape[0]
+    positions = torch.arange(num_drafted, device=draft_tokens.device)
+    target_at_draft = target_probs[positions, draft_tokens]  # [K]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs[positions, draft_tokens]
+    uniforms = torch.rand(num_drafted, generator=generator, device=target_probs.device)
+    accepted = uniforms * draft_at_draft < target_at_draft  # [K]
+
+    loose = torch.zeros_like(accepted)
+    if fly is not None and num_drafted and not bool(accepted.all()):
+        if target_logits is None:
+            raise ValueError("target_logits are needed for the FLy entropy gate")
+        entropy = target_entropy(target_logits[:num_drafted], fly.entropy)
+        loose = (target_at_draft > 0) & loose_acceptance(
+            accepted, entropy, window=fly.window, theta=fly.theta
+        )
+
+    def next_token_at(cut: int) -> int:
+        if cut == num_drafted:
+            return int(torch.multinomial(target_probs[cut], 1, generator=generator))
+        return sample_correction(
+            target_probs[cut],
+            None if draft_probs is None else draft_probs[cut],
+            draft_token=int(draft_tokens[cut]),
+            generator=generator,
+        )
+
+    return _verdict(accepted=accepted, loose=loose, next_token_at=next_token_at)
+
+
+def sample_correction(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    *,
+    draft_token: int,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Sample from ``normalise(max(0, target - draft))`` at a rejected position: ``[V] -> id``.
+
+    ``draft_probs=None`` means a one-hot draft at ``draft_token``.
+    """
+    if draft_probs is None:
+        residual = target_probs.clone()
+        residual[draft_token] = 0.0
+    else:
+        residual = (target_probs - draft_probs).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:  # only reachable through rounding
+        residual = target_probs
+    return int(torch.multinomial(residual, 1, generator=generator))

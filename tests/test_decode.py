@@ -1,0 +1,237 @@
+"""The decoding loop on tiny random-weight models: losslessness, caches, limits, statistics."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from flyspec.config import DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.decode import SpeculativeDecoder
+from flyspec.drafters import MlaDrafter, ModelDrafter
+from flyspec.models.cache import CachedLM, crop_cache
+from flyspec.stats import RequestStats
+from flyspec.verify import sampling_probs
+from tests.tiny import make_tiny_model
+
+VOCAB = 64
+PROMPTS = [[3, 7, 11, 7, 3, 7, 11], [5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model(vocab_size=VOCAB, seed=1, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return make_tiny_model(vocab_size=VOCAB, seed=2, dtype=torch.float64)
+
+
+def run(decoder, prompt, config, stats=None):
+    return [event.token for event in decoder.stream(prompt, config, stats=stats)]
+
+
+def target_greedy(target, prompt, max_new_tokens):
+    decoder = SpeculativeDecoder(target)
+    return run(decoder, prompt, DecodeConfig(mode="target", max_new_tokens=max_new_tokens))
+
+
+def reference_greedy(model, prompt, max_new_tokens):
+    """Plain greedy decoding with full recomputation: no cache involved."""
+    sequence = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+            sequence.append(int(logits.argmax()))
+    return sequence[len(prompt) :]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_target_mode_equals_plain_greedy_decoding(target, prompt):
+    assert target_greedy(target, prompt, 24) == reference_greedy(target, prompt, 24)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "mla"])
+@pytest.mark.parametrize("k", [1, 4, 15])
+def test_spd_equals_target(target, draft, drafter, k):
+    decoder = SpeculativeDecoder(target, draft)
+    config = DecodeConfig(mode="spd", drafter=drafter, k=k, max_new_tokens=40)
+    for prompt in PROMPTS:
+        assert run(decoder, prompt, config) == target_greedy(target, prompt, 40)
+
+
+def test_spd_with_the_target_as_its_own_draft_accepts_everything(target):
+    decoder = SpeculativeDecoder(target, target)
+    stats = RequestStats()
+    tokens = run(decoder, PROMPTS[0], DecodeConfig(mode="spd", k=4, max_new_tokens=20), stats)
+    assert tokens == target_greedy(target, PROMPTS[0], 20)
+    assert stats.rejected == 0 and stats.loosely_accepted == 0
+    assert stats.num_rounds == 4  # 5 tokens per round: 4 drafted + the bonus
+
+
+def test_fly_with_infinite_theta_equals_target(target, draft):
+    decoder = SpeculativeDecoder(target, draft)
+    config = DecodeConfig(mode="fly", fly=FlyConfig(theta=math.inf), max_new_tokens=40)
+    for prompt in PROMPTS:
+        assert run(decoder, prompt, config) == target_greedy(target, prompt, 40)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target):
+    """A draft that mostly agrees with the target: the target with noise on its output layer."""
+    model = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        weight = model.lm_head.weight
+        weight.add_(
+            0.5 * weight.std() * torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+        )
+    return model
+
+
+def test_fly_accepts_loosely_on_uncertain_random_models(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft)
+    stats = RequestStats()
+    config = DecodeConfig(mode="fly", k=8, fly=FlyConfig(window=1, theta=0.0), max_new_tokens=40)
+    tokens = run(decoder, PROMPTS[0], config, stats)
+    assert len(tokens) == 40
+    assert stats.loosely_accepted > 0
+
+
+@pytest.mark.parametrize("mode", ["spd", "fly"])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 16])
+def test_never_emits_past_max_new_tokens(target, draft, mode, max_new_tokens):
+    decoder = SpeculativeDecoder(target, draft)
+    stats = RequestStats()
+    config = DecodeConfig(
+        mode=mode, k=15, fly=FlyConfig(window=0, theta=0.0), max_new_tokens=max_new_tokens
+    )
+    tokens = run(decoder, PROMPTS[0], config, stats)
+    assert len(tokens) == max_new_tokens == stats.emitted
+    assert stats.finish_reason == "length"
+
+
+def test_eos_inside_a_block_ends_the_request_before_it(target):
+    expected = target_greedy(target, PROMPTS[2], 30)
+    eos = expected[9]
+    stop_at = expected.index(eos)
+    decoder = SpeculativeDecoder(target, target, eos_token_ids={eos})
+    stats = RequestStats()
+    tokens = run(decoder, PROMPTS[2], DecodeConfig(mode="spd", k=6, max_new_tokens=30), stats)
+    assert tokens == expected[:stop_at]
+    assert stats.finish_reason == "stop"
+
+
+def test_statistics_add_up(target, draft):
+    decoder = SpeculativeDecoder(target, draft)
+    stats = RequestStats()
+    config = DecodeConfig(mode="fly", k=6, fly=FlyConfig(window=1, theta=0.0), max_new_tokens=30)
+    tokens = run(decoder, PROMPTS[0], config, stats)
+    assert stats.emitted == len(tokens)
+    assert stats.accepted + stats.loosely_accepted + stats.rejected == stats.drafted
+    assert stats.tau == pytest.approx(len(tokens) / stats.num_rounds)
+    assert stats.seconds >= stats.draft_seconds + stats.verify_seconds
+    summary = stats.as_dict()
+    for name in ("rounds", "drafted", "accepted", "loosely_accepted", "rejected", "emitted"):
+        assert isinstance(summary[name], int)
+
+
+def test_stopping_early_counts_only_delivered_tokens(target, draft):
+    decoder = SpeculativeDecoder(target, target)
+    stats = RequestStats()
+    events = decoder.stream(
+        PROMPTS[0], DecodeConfig(mode="spd", k=8, max_new_tokens=30), stats=stats
+    )
+    received = [next(events).token for _ in range(3)]
+    events.close()
+    assert len(received) == 3 and stats.emitted == 3
+    assert stats.finish_reason == "cancelled"
+
+
+def test_sampling_is_reproducible_with_a_seed(target, draft):
+    decoder = SpeculativeDecoder(target, draft)
+    config = DecodeConfig(
+        mode="fly",
+        k=4,
+        max_new_tokens=20,
+        draft_temperature=1.0,
+        sampling=SamplingConfig(temperature=1.0, seed=7),
+    )
+    first = run(decoder, PROMPTS[0], config)
+    assert first == run(decoder, PROMPTS[0], config)
+    assert len(first) == 20
+
+
+def test_speculative_sampling_keeps_the_targets_distribution(target, draft):
+    """Histogram of the first token of spd with a sampled draft vs the target's exact
+    distribution (temperature 0.5 keeps it peaked enough for a few hundred samples)."""
+    decoder = SpeculativeDecoder(target, draft)
+    prompt = [5, 9]
+    sampling = SamplingConfig(temperature=0.5)
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0, -1]
+    expected = sampling_probs(logits, sampling).float()
+    trials = 400
+    histogram = torch.zeros(VOCAB)
+    for seed in range(trials):
+        config = DecodeConfig(
+            mode="spd",
+            k=3,
+            max_new_tokens=4,
+            draft_temperature=1.0,
+            sampling=SamplingConfig(temperature=0.5, seed=seed),
+        )
+        histogram[next(iter(decoder.stream(prompt, config))).token] += 1
+    # Five bins (the target's four likeliest tokens and the rest) keep sampling noise small:
+    # a mean total variation of about 0.03 for 400 draws.
+    top = expected.topk(4).indices
+
+    def binned(probs):
+        return torch.cat([probs[top], (1 - probs[top].sum()).reshape(1)])
+
+    total_variation = 0.5 * (binned(histogram / trials) - binned(expected)).abs().sum()
+    assert total_variation < 0.07
+
+
+def test_cropped_cache_gives_the_logits_of_a_fresh_forward(target):
+    lm = CachedLM(target)
+    sequence = [3, 9, 27, 17, 51, 25, 11, 33, 5, 15]
+    lm.logits(sequence, num_logits=len(sequence))
+    # A different continuation after position 6: the cache must drop positions 6..9.
+    changed = sequence[:6] + [1, 2]
+    cached = lm.logits(changed, num_logits=2)
+    assert lm.cache.get_seq_length() == len(changed)
+    fresh = CachedLM(target).logits(changed, num_logits=2)
+    torch.testing.assert_close(cached, fresh)
+
+
+def test_crop_cache_refuses_to_grow(target):
+    lm = CachedLM(target)
+    lm.logits([1, 2, 3])
+    with pytest.raises(ValueError):
+        crop_cache(lm.cache, 5)
+    crop_cache(lm.cache, 1)
+    assert lm.cache.get_seq_length() == 1
+
+
+def test_mla_block_equals_the_draft_models_greedy_block(draft):
+    # A context that repeats itself, so that n-gram proposals exist.
+    base = reference_greedy(draft, [4, 8, 15], 20)
+    context = [4, 8, 15] + base + [4, 8, 15] + base[:5]
+    plain = ModelDrafter(CachedLM(draft)).propose(context, 15)
+    mla_drafter = MlaDrafter(CachedLM(draft), proposals=6)
+    block = mla_drafter.propose(context, 15)
+    assert block.tokens.tolist() == plain.tokens.tolist()
+    assert mla_drafter.proposed > 0 and mla_drafter.kept > 0
+    assert mla_drafter.lm.forward_calls < 15
+
+
+def test_mla_without_any_ngram_takes_plain_steps(draft):
+    context = [1, 2, 3]  # nothing repeats
+    mla_drafter = MlaDrafter(CachedLM(draft), proposals=6)
+    block = mla_drafter.propose(context, 1)
+    assert (
+        block.tokens.tolist() == ModelDrafter(CachedLM(draft)).propose(context, 1).tokens.tolist()
+    )
+    assert mla_drafter.proposed == 0

@@ -1,0 +1,232 @@
+"""The verification rules on synthetic logits (large +/- values make argmax and entropy exact)."""
+
+import math
+
+import pytest
+import torch
+
+from flyspec.config import FlyConfig, SamplingConfig
+from flyspec.verify import (
+    loose_acceptance,
+    normalized_entropy,
+    sampling_probs,
+    top3_entropy,
+    verify_greedy,
+    verify_sampling,
+)
+
+V = 8
+SURE = 0  # rows whose target is certain (entropy ~ 0)
+UNSURE = 1  # rows split evenly between two tokens (top-3 entropy = ln 2 ~ 0.69)
+
+
+def logits_for(tokens: list[int], kinds: list[int] | None = None) -> torch.Tensor:
+    """``[len(tokens), V]`` logits whose argmax is ``tokens[i]``; an UNSURE row puts the same
+    logit on ``tokens[i]`` and on ``tokens[i] + 1`` (argmax picks the lower index)."""
+    kinds = kinds or [SURE] * len(tokens)
+    rows = torch.full((len(tokens), V), -30.0)
+    for i, (token, kind) in enumerate(zip(tokens, kinds, strict=True)):
+        rows[i, token] = 30.0
+        if kind == UNSURE:
+            rows[i, (token + 1) % V] = 30.0
+    return rows
+
+
+def draft(tokens: list[int]) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+FLY = FlyConfig(window=2, theta=0.3)
+
+
+class TestEntropy:
+    def test_top3_entropy_of_certain_and_split_rows(self):
+        h = top3_entropy(logits_for([0, 2], [SURE, UNSURE]))
+        assert h[0] == pytest.approx(0.0, abs=1e-6)
+        assert h[1] == pytest.approx(math.log(2), abs=1e-6)
+
+    def test_top3_entropy_does_not_renormalise(self):
+        # Uniform over V=8: each p = 1/8, three of them: 3 * (1/8) * ln 8.
+        h = top3_entropy(torch.zeros(1, V))
+        assert h[0] == pytest.approx(3 / 8 * math.log(8), abs=1e-6)
+
+    def test_normalized_entropy_bounds(self):
+        h = normalized_entropy(torch.stack([torch.zeros(V), logits_for([3])[0]]))
+        assert h[0] == pytest.approx(1.0, abs=1e-6)
+        assert h[1] == pytest.approx(0.0, abs=1e-6)
+
+
+class TestLooseAcceptance:
+    def mask(self, accepted: list[bool], entropy: list[float], window: int) -> list[bool]:
+        result = loose_acceptance(
+            torch.tensor(accepted), torch.tensor(entropy), window=window, theta=0.3
+        )
+        return result.tolist()
+
+    def test_uncertain_mismatch_with_clean_window_is_kept(self):
+        assert self.mask([True, False, True, True], [0.0, 0.7, 0.0, 0.0], 2) == [
+            False,
+            True,
+            False,
+            False,
+        ]
+
+    def test_certain_mismatch_is_rejected(self):
+        assert not any(self.mask([True, False, True, True], [0.0, 0.1, 0.0, 0.0], 2))
+
+    def test_window_must_fit_inside_the_block(self):
+        # Mismatch at i=2, W=2 needs positions 3 and 4; the block ends at 3.
+        assert not any(self.mask([True, True, False, True], [0.7] * 4, 2))
+
+    def test_second_mismatch_inside_window_rejects_the_first(self):
+        result = self.mask([False, True, False, True, True], [0.7] * 5, 2)
+        assert result == [False, False, True, False, False]
+
+    def test_window_zero_keeps_every_uncertain_mismatch(self):
+        assert self.mask([False, False], [0.7, 0.7], 0) == [True, True]
+
+
+class TestVerifyGreedy:
+    def test_empty_draft_gives_the_bonus(self):
+        verdict = verify_greedy(draft([]), logits_for([5]), fly=FLY)
+        assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 5, True)
+
+    def test_all_accepted_plus_bonus(self):
+        verdict = verify_greedy(draft([1, 2, 3]), logits_for([1, 2, 3, 4]), fly=None)
+        assert verdict.num_accepted == 3
+        assert verdict.is_bonus and verdict.next_token == 4
+        assert verdict.num_emitted == 4
+
+    def test_first_position_rejected_gives_the_correction(self):
+        verdict = verify_greedy(draft([7, 2, 3]), logits_for([1, 2, 3, 4]), fly=None)
+        assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 1, False)
+
+    def test_exact_spd_ignores_uncertainty(self):
+        target = logits_for([1, 2, 3, 4, 5], [UNSURE] * 5)
+        verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=None)
+        assert verdict.num_accepted == 0 and verdict.next_token == 1
+
+    def test_fly_keeps_an_uncertain_mismatch_followed_by_agreement(self):
+        # Target prefers 1 at position 0 but is split between 1 and 2; the draft says 2.
+        target = logits_for([1, 2, 3, 4, 5], [UNSURE, SURE, SURE, SURE, SURE])
+        verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=FLY)
+        assert verdict.num_accepted == 4
+        assert verdict.loose_positions == (0,)
+        assert verdict.is_bonus and verdict.next_token == 5
+
+    def test_fly_rejects_a_certain_mismatch(self):
+        target = logits_for([1, 2, 3, 4, 5])
+        verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=FLY)
+        assert verdict.num_accepted == 0 and verdict.next_token == 1
+
+    def test_fly_rejects_a_mismatch_near_the_block_end(self):
+        target = logits_for([1, 2, 3, 4, 5], [SURE, SURE, UNSURE, SURE, SURE])
+        verdict = verify_greedy(draft([1, 2, 4, 4]), target, fly=FLY)
+        assert verdict.num_accepted == 2 and verdict.next_token == 3
+        assert verdict.loose_positions == ()
+
+    def test_fly_rejects_two_mismatches_in_one_window(self):
+        target = logits_for([1, 2, 3, 4, 5, 6], [UNSURE, SURE, UNSURE, SURE, SURE, SURE])
+        verdict = verify_greedy(draft([2, 2, 4, 4, 5]), target, fly=FLY)
+        # Position 0 has a second mismatch (2) inside its window: cut at 0.
+        assert verdict.num_accepted == 0 and verdict.next_token == 1
+
+    def test_fly_with_infinite_theta_is_exact(self):
+        target = logits_for([1, 2, 3, 4, 5], [UNSURE] * 5)
+        verdict = verify_greedy(
+            draft([2, 2, 3, 4]), target, fly=FlyConfig(window=2, theta=math.inf)
+        )
+        assert verdict.num_accepted == 0
+
+    def test_fly_never_keeps_a_token_with_minus_infinity_logit(self):
+        target = logits_for([1, 2, 3, 4, 5], [UNSURE] + [SURE] * 4)
+        target[0, 6] = -math.inf
+        verdict = verify_greedy(draft([6, 2, 3, 4]), target, fly=FLY)
+        assert verdict.num_accepted == 0
+
+
+class TestSamplingProbs:
+    def test_top_k_keeps_k_tokens(self):
+        probs = sampling_probs(
+            torch.arange(V, dtype=torch.float), SamplingConfig(temperature=1.0, top_k=3)
+        )
+        assert (probs > 0).sum() == 3 and probs[-3:].sum() == pytest.approx(1.0)
+
+    def test_top_p_keeps_the_smallest_sufficient_set(self):
+        logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]) + 1e-12)
+        probs = sampling_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75))
+        assert (probs > 0).tolist()[:4] == [True, True, False, False]
+
+    def test_temperature_sharpens(self):
+        logits = torch.tensor([1.0, 0.0])
+        cold = sampling_probs(logits, SamplingConfig(temperature=0.5))
+        warm = sampling_probs(logits, SamplingConfig(temperature=2.0))
+        assert cold[0] > warm[0]
+
+
+def first_token_histogram(target_probs, draft_probs, *, trials, seed, fly=None, logits=None):
+    """Sample a 1-token draft from ``draft_probs`` (or the fixed token 0 when None), verify it,
+    and count the first emitted token."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V)
+    target_block = torch.stack([target_probs, target_probs])  # [K+1=2, V]
+    for _ in range(trials):
+        if draft_probs is None:
+            token, probs = 0, None
+        else:
+            token = int(torch.multinomial(draft_probs, 1, generator=generator))
+            probs = draft_probs[None]
+        verdict = verify_sampling(
+            draft([token]),
+            probs,
+            target_block,
+            fly=fly,
+            target_logits=logits,
+            generator=generator,
+        )
+        counts[token if verdict.num_accepted == 1 else verdict.next_token] += 1
+    return counts / trials
+
+
+class TestSpeculativeSampling:
+    target = torch.tensor([0.05, 0.3, 0.25, 0.2, 0.1, 0.05, 0.05, 0.0])
+    draft_dist = torch.tensor([0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+
+    def test_sampled_draft_reproduces_the_target_distribution(self):
+        hist = first_token_histogram(self.target, self.draft_dist, trials=20000, seed=0)
+        assert torch.allclose(hist, self.target, atol=0.015)
+
+    def test_one_hot_draft_reproduces_the_target_distribution(self):
+        hist = first_token_histogram(self.target, None, trials=20000, seed=1)
+        assert torch.allclose(hist, self.target, atol=0.015)
+
+    def test_never_emits_a_zero_probability_token(self):
+        hist = first_token_histogram(self.target, self.draft_dist, trials=5000, seed=2)
+        assert hist[-1] == 0
+
+    def test_fly_keeps_rejected_positions_with_window_zero(self):
+        # With W=0 and an unsure target every sampling rejection is kept loosely, except
+        # tokens the target gives probability 0.
+        logits = torch.zeros(2, V)  # maximal entropy
+        hist = first_token_histogram(
+            self.target,
+            self.draft_dist,
+            trials=5000,
+            seed=3,
+            fly=FlyConfig(window=0, theta=0.3),
+            logits=logits,
+        )
+        # Draft token 7 (target probability 0) is rejected and corrected from the residual.
+        residual = (self.target - self.draft_dist).clamp_min(0)
+        expected = self.draft_dist.clone()
+        expected[-1] = 0
+        expected += self.draft_dist[-1] * residual / residual.sum()
+        assert torch.allclose(hist, expected, atol=0.02)
+        assert hist[-1] == 0
+
+    def test_all_accepted_samples_the_bonus_from_the_last_row(self):
+        certain = torch.zeros(2, V)
+        certain[0, 3] = 1.0
+        certain[1, 6] = 1.0
+        verdict = verify_sampling(draft([3]), None, certain, fly=None)
+        assert verdict.is_bonus and verdict.next_token == 6
