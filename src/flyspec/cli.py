@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("names", nargs="*", help="datasets to install (default: all)")
     fetch.set_defaults(handler=run_datasets_pull)
+    from flyspec.server import add_parser as add_serve_parser
+
+    add_serve_parser(commands)
     return parser
 
 

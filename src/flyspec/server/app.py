@@ -1,0 +1,554 @@
+"""The FastAPI application: OpenAI-compatible completions and chat, with FLy metrics.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+``GET /metrics``. Every error is answered with OpenAI's error body; validation errors use
+status 400 (not FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.errors import FlyspecError
+from flyspec.server import protocol
+from flyspec.server.metrics import CONTENT_TYPE, ServerMetrics
+from flyspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
+
+logger = logging.getLogger("flyspec.server")
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
+ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+MAX_SEED = 2**63 - 1
+
+# The first word of a ConfigError message -> the request field it is about.
+_CONFIG_PARAMS = {
+    "mode": "mode",
+    "drafter": "drafter",
+    "k": "k",
+    "max_new_tokens": "max_tokens",
+    "window": "window",
+    "theta": "theta",
+    "entropy": "entropy",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "stop": "stop",
+    "the": "drafter",  # "the mla drafter drafts greedily ..."
+}
+
+
+def create_app(
+    engine,
+    *,
+    defaults: DecodeConfig,
+    model_name: str,
+    queue_size: int = 8,
+    request_timeout: float = 600.0,
+) -> FastAPI:
+    """The server app for one loaded :class:`~flyspec.engine.Engine`.
+
+    ``defaults``: decoding settings of requests that do not override them (``max_new_tokens``
+    is the default ``max_tokens``). ``queue_size``: requests that may wait while one runs;
+    one more is answered 429. ``request_timeout``: seconds from arrival (waiting included)
+    after which a generation is stopped and answered with what it has, ``finish_reason:
+    "length"`` and ``speculative.timed_out: true``.
+    """
+    if queue_size < 0:
+        raise ValueError(f"queue_size must be >= 0, got {queue_size}")
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+
+    metrics = ServerMetrics()
+    queue = GenerationQueue(
+        engine,
+        max_waiting=queue_size,
+        on_finished=lambda job: metrics.observe_generation(job.config.mode, job.stats, job.outcome),
+    )
+    metrics.queue_length.read = lambda: queue.waiting
+    metrics.running.read = lambda: queue.running
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        queue.start()
+        try:
+            yield
+        finally:
+            await queue.close()
+
+    app = FastAPI(title="flyspec", version=_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.queue = queue
+    app.state.defaults = defaults
+    app.state.model_name = model_name
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    _install_error_handlers(app)
+    server = _Server(
+        engine=engine,
+        defaults=defaults,
+        model_name=model_name,
+        queue=queue,
+        request_timeout=request_timeout,
+    )
+
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.handle(request, body, chat=False)
+
+    @app.post(CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.handle(request, body, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(model_name, started)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise _unknown_model(model_id, model_name)
+        return _model_card(model_name, started)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "queue": {"waiting": queue.waiting, "running": queue.running, "size": queue_size},
+        }
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class _Server:
+    """Request handling shared by the two generation endpoints."""
+
+    def __init__(
+        self,
+        *,
+        engine,
+        defaults: DecodeConfig,
+        model_name: str,
+        queue: GenerationQueue,
+        request_timeout: float,
+    ) -> None:
+        self.engine = engine
+        self.defaults = defaults
+        self.model_name = model_name
+        self.queue = queue
+        self.request_timeout = request_timeout
+
+    async def handle(
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, *, chat: bool
+    ) -> Response:
+        prompt_ids, config = self.prepare(body, chat=chat)
+        try:
+            job = self.queue.submit(prompt_ids, config, timeout=self.request_timeout)
+        except QueueFullError:
+            raise APIError(
+                429,
+                f"the server is busy: {self.queue.waiting} requests are already waiting "
+                f"(queue size {self.queue.max_waiting}); retry later",
+                type="requests",
+                code="rate_limit_exceeded",
+            ) from None
+        response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        created = protocol.now()
+        if body.stream:
+            events = self._stream(job, response_id, created, chat=chat)
+            return _JobStreamingResponse(events, on_close=lambda: self.queue.cancel(job))
+        try:
+            text = await _wait_unless_disconnected(request, job)
+        finally:
+            self.queue.cancel(job)  # no-op once the job has ended
+        if text is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if job.outcome == "error":
+            raise _generation_failed(job)
+        build = protocol.chat_body if chat else protocol.completion_body
+        return JSONResponse(
+            build(
+                request_id=response_id,
+                created=created,
+                model=self.model_name,
+                text=text,
+                finish_reason=job.finish_reason or "length",
+                usage_=protocol.usage(len(job.prompt_ids), job.completion_tokens),
+                speculative_=protocol.speculative(
+                    job.config.mode, job.stats, timed_out=job.timed_out
+                ),
+            )
+        )
+
+    def prepare(
+        self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool
+    ) -> tuple[list[int], DecodeConfig]:
+        """Check a request and turn it into prompt token ids and decoding settings."""
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            param, message = unsupported
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+        if body.model is not None and body.model != self.model_name:
+            raise _unknown_model(body.model, self.model_name)
+        if isinstance(body, ChatCompletionRequest):
+            max_tokens = body.requested_max_tokens
+            max_tokens_param = (
+                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            )
+        else:
+            max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(
+                400,
+                f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                param=max_tokens_param,
+            )
+        if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2**63 - 1], got {body.seed}", param="seed")
+
+        prompt_ids = self._encode(body, chat=chat)
+        prompt_param = "messages" if chat else "prompt"
+        limit = self.engine.context_length
+        room = limit - len(prompt_ids)
+        if max_tokens is None:
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {limit} tokens, and the prompt "
+                    f"already has {len(prompt_ids)}",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            max_tokens = min(self.defaults.max_new_tokens, room)
+        elif len(prompt_ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} "
+                f"for the completion)",
+                param=max_tokens_param if room >= 1 else prompt_param,
+                code="context_length_exceeded",
+            )
+        config = request_config(self.defaults, body, max_new_tokens=max_tokens)
+        if config.uses_draft_model and getattr(self.engine, "draft_model", None) is None:
+            raise APIError(
+                400,
+                f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model, "
+                "and this server has none; use mode 'target' or drafter 'ngram'",
+                param="drafter",
+            )
+        return prompt_ids, config
+
+    def _encode(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> list[int]:
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                if not body.messages:
+                    raise APIError(400, "messages must not be empty", param="messages")
+                return self.engine.encode_messages([m.as_template_dict() for m in body.messages])
+            return self.engine.encode(body.prompt)
+        except APIError:
+            raise
+        except FlyspecError as error:
+            raise APIError(400, str(error), param="messages" if chat else "prompt") from None
+        except Exception as error:  # a chat template that raises on this conversation
+            if chat and type(error).__module__.startswith("jinja2"):
+                raise APIError(
+                    400, f"the chat template refused these messages: {error}", param="messages"
+                ) from None
+            raise
+
+    async def _stream(
+        self, job: Job, response_id: str, created: int, *, chat: bool
+    ) -> AsyncIterator[str]:
+        common = {"request_id": response_id, "created": created, "model": self.model_name}
+        if chat:
+            yield _sse(protocol.chat_chunk(**common, delta={"role": "assistant", "content": ""}))
+        async for piece in job.pieces():
+            if chat:
+                yield _sse(protocol.chat_chunk(**common, delta={"content": piece}))
+            else:
+                yield _sse(protocol.completion_chunk(**common, text=piece))
+        if job.outcome == "error":
+            yield _sse(_generation_failed(job).body())
+        elif job.outcome != "cancelled":
+            finish_reason = job.finish_reason or "length"
+            if chat:
+                final = protocol.chat_chunk(**common, delta={}, finish_reason=finish_reason)
+            else:
+                final = protocol.completion_chunk(**common, text="", finish_reason=finish_reason)
+            final["usage"] = protocol.usage(len(job.prompt_ids), job.completion_tokens)
+            final["speculative"] = protocol.speculative(
+                job.config.mode, job.stats, timed_out=job.timed_out
+            )
+            yield _sse(final)
+        yield "data: [DONE]\n\n"
+
+
+def request_config(
+    defaults: DecodeConfig,
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_new_tokens: int,
+) -> DecodeConfig:
+    """The server defaults with the request's overrides, validated (APIError 400 if not)."""
+
+    def pick(value, default):
+        return default if value is None else value
+
+    try:
+        fly = defaults.fly
+        if body.window is not None or body.theta is not None or body.entropy is not None:
+            fly = FlyConfig(
+                window=pick(body.window, fly.window),
+                theta=pick(body.theta, fly.theta),
+                entropy=pick(body.entropy, fly.entropy),
+            )
+        sampling = defaults.sampling
+        sampling = SamplingConfig(
+            temperature=pick(body.temperature, sampling.temperature),
+            top_k=pick(body.top_k, sampling.top_k),
+            top_p=pick(body.top_p, sampling.top_p),
+            seed=pick(body.seed, sampling.seed),
+        )
+        stop = body.stop_strings
+        return replace(
+            defaults,
+            mode=pick(body.mode, defaults.mode),
+            drafter=pick(body.drafter, defaults.drafter),
+            k=pick(body.k, defaults.k),
+            max_new_tokens=max_new_tokens,
+            fly=fly,
+            sampling=sampling,
+            stop=defaults.stop if stop is None else stop,
+        )
+    except ConfigError as error:
+        message = str(error)
+        param = _CONFIG_PARAMS.get(message.split(" ", 1)[0])
+        raise APIError(400, message, param=param) from None
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """Server-sent events whose job is cancelled however the response ends (finished,
+    client gone before or during streaming, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+async def _wait_unless_disconnected(request: Request, job: Job) -> str | None:
+    """The job's text, or None when the client disconnected first."""
+    text_task = asyncio.ensure_future(job.wait())
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({text_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        return text_task.result() if text_task in done else None
+    finally:
+        for task in (text_task, gone_task):
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _generation_failed(job: Job) -> APIError:
+    return APIError(
+        500,
+        f"generation failed: {type(job.error).__name__}: {job.error}",
+        type="server_error",
+        code="generation_failed",
+    )
+
+
+def _unknown_model(requested: str, served: str) -> APIError:
+    return APIError(
+        404,
+        f"the model {requested!r} does not exist; this server serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _model_card(model_name: str, created: int) -> dict[str, Any]:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "flyspec"}
+
+
+def _version() -> str:
+    from flyspec import __version__
+
+    return __version__
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.status_code in (429, 503) else None
+        return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param, code = describe_validation_errors(error.errors())
+        return JSONResponse(protocol.error_body(message, param=param, code=code), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif error.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(error.detail)
+        return JSONResponse(
+            protocol.error_body(message, code=str(error.status_code)),
+            status_code=error.status_code,
+            headers=getattr(error, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error", exc_info=error)
+        return JSONResponse(
+            protocol.error_body(
+                f"internal error: {type(error).__name__}", type="server_error", code="internal"
+            ),
+            status_code=500,
+        )
+
+
+def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None]:
+    """``(message, param, code)`` for FastAPI's validation errors: the first error decides
+    ``param``; the message names every problem."""
+    errors = list(errors)
+    if not errors:
+        return "invalid request", None, None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        position = first.get("loc", (None, None))[-1]
+        return (
+            f"the request body is not valid JSON ({detail} at character {position})",
+            None,
+            "invalid_json",
+        )
+    messages: list[str] = []
+    params: list[str] = []
+    for error in errors:
+        loc = [part for part in error.get("loc", ()) if part != "body"]
+        # Drop union branch names such as 'str' / 'list[str]' that pydantic adds to locations.
+        loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+        param = ".".join(str(p) for p in loc) or None
+        text = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if error.get("type") == "missing":
+            text = "required field is missing" if param else "a JSON body is required"
+        elif error.get("type") == "extra_forbidden":
+            text = "unrecognized request argument"
+        elif error.get("type") == "model_attributes_type" and param is None:
+            text = "the request body must be a JSON object (send Content-Type: application/json)"
+        entry = f"{param}: {text}" if param else text
+        if entry not in messages:
+            messages.append(entry)
+        if param and param not in params:
+            params.append(param)
+    return "; ".join(messages), (params[0] if params else None), "invalid_value"
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+# ---------------------------------------------------------------- metrics middleware
+
+
+class _MetricsMiddleware:
+    """Counts every answered request by endpoint and status; times generation requests."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        if path.startswith("/v1/models/"):
+            endpoint = "/v1/models"
+        started = time.perf_counter()
+        status = 500
+        disconnected = False
+        completed = False
+
+        async def send_status(message: Message) -> None:
+            nonlocal status, completed
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                completed = True
+            await send(message)
+
+        async def receive_watch() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+            return message
+
+        try:
+            await self.app(scope, receive_watch, send_status)
+        finally:
+            if disconnected and not completed and status == 200:
+                status = CLIENT_CLOSED  # a stream the client left before its end
+            seconds = time.perf_counter() - started if path in GENERATION_ENDPOINTS else None
+            if seconds is not None and not math.isfinite(seconds):
+                seconds = None
+            self.metrics.observe_request(endpoint, status, seconds)

@@ -1,0 +1,253 @@
+"""One generation at a time: a bounded waiting line in front of the engine.
+
+The engine is not thread-safe, so a single worker coroutine takes jobs in arrival order and
+runs each one to its end on a single dedicated thread (the event loop stays free to accept
+and stream). Requests that find the line full are refused at once by :meth:`submit`.
+
+A job ends in one of these outcomes:
+
+* ``stop`` / ``length``: the engine finished (EOS or a stop string / ``max_new_tokens``);
+* ``timeout``: its deadline passed, while waiting (no tokens) or while running (the engine
+  is stopped after the next committed token); the response reports ``finish_reason:
+  "length"``, as for any truncated output;
+* ``cancelled``: its client went away; a waiting job leaves the line at once, a running one
+  stops after the next committed token (the engine's generator is closed, so nothing after
+  that point is computed);
+* ``error``: the engine raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from flyspec.config import DecodeConfig
+from flyspec.stats import RequestStats
+
+logger = logging.getLogger("flyspec.server")
+
+Outcome = str  # "stop" | "length" | "timeout" | "cancelled" | "error"
+
+
+class QueueFullError(Exception):
+    """No room left in the waiting line."""
+
+
+@dataclass(frozen=True)
+class _End:
+    """Sentinel put on a job's event queue when it has ended."""
+
+
+class Job:
+    """One request's generation: its inputs, its text as it arrives, and how it ended.
+
+    The consumer iterates :meth:`pieces` on the event loop; the engine thread feeds it through
+    ``loop.call_soon_threadsafe``.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], config: DecodeConfig, *, deadline: float) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.deadline = deadline
+        self.stats = RequestStats()
+        self.state = "waiting"  # waiting -> running -> done
+        self.outcome: Outcome | None = None
+        self.error: BaseException | None = None
+        self.completion_tokens = 0
+        self.stop_requested: Outcome | None = None
+        self._stop_event = threading.Event()
+        self._events: asyncio.Queue[str | _End] = asyncio.Queue()
+        self._deadline_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def timed_out(self) -> bool:
+        return self.outcome == "timeout"
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: ``stop``, or ``length`` (also after a timeout)."""
+        if self.outcome in ("stop", "length"):
+            return self.outcome
+        if self.outcome == "timeout":
+            return "length"
+        return None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The generated text, piece by piece, until the job ends."""
+        while True:
+            item = await self._events.get()
+            if isinstance(item, _End):
+                self._events.put_nowait(item)  # a second reader ends at once too
+                return
+            yield item
+
+    async def wait(self) -> str:
+        """The whole text, once the job has ended."""
+        return "".join([piece async for piece in self.pieces()])
+
+    # Called from the engine thread.
+    def _should_stop(self) -> bool:
+        return self._stop_event.is_set()
+
+    # Called on the event loop.
+    def _request_stop(self, reason: Outcome) -> None:
+        if self.stop_requested is None:
+            self.stop_requested = reason
+        self._stop_event.set()
+
+    def _push(self, piece: str) -> None:
+        self._events.put_nowait(piece)
+
+    def _end(self, outcome: Outcome, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.state = "done"
+        self.outcome = outcome
+        self.error = error
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._events.put_nowait(_End())
+
+
+class GenerationQueue:
+    """The waiting line plus the single worker that feeds the engine.
+
+    ``max_waiting``: how many jobs may wait while one runs; one more is refused with
+    :class:`QueueFullError`. ``on_finished(job)`` is called on the event loop when a job ends
+    (metrics). Use :meth:`start` and :meth:`close` from the app's lifespan.
+    """
+
+    def __init__(self, engine, *, max_waiting: int, on_finished=None) -> None:
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Jobs in the line, not counting the running one."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return 0 if self._running is None else 1
+
+    def start(self) -> None:
+        """Start the worker on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-engine")
+        self._worker = self._loop.create_task(self._work(), name="flyspec-generation-worker")
+
+    async def close(self) -> None:
+        """Stop the worker: waiting jobs are cancelled, the running one is asked to stop."""
+        for job in list(self._waiting):
+            self.cancel(job)
+        if self._running is not None:
+            self._running._request_stop("cancelled")
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def submit(self, prompt_ids: Sequence[int], config: DecodeConfig, *, timeout: float) -> Job:
+        """Put a job in line, or raise :class:`QueueFullError` when the line is full."""
+        if self._loop is None or self._wakeup is None:
+            raise RuntimeError("the generation queue is not started")
+        if len(self._waiting) + self.running > self.max_waiting:
+            raise QueueFullError
+        job = Job(prompt_ids, config, deadline=time.monotonic() + timeout)
+        job._deadline_timer = self._loop.call_later(timeout, self._on_deadline, job)
+        self._waiting.append(job)
+        self._wakeup.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop a waiting job, stop a running one. Idempotent."""
+        self._stop(job, "cancelled")
+
+    def _on_deadline(self, job: Job) -> None:
+        self._stop(job, "timeout")
+
+    def _stop(self, job: Job, reason: Outcome) -> None:
+        if job.done:
+            return
+        if job.state == "waiting":
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(job)
+            self._finish(job, reason)
+        else:
+            job._request_stop(reason)
+
+    def _finish(self, job: Job, outcome: Outcome, error: BaseException | None = None) -> None:
+        if job.done:
+            return
+        job._end(outcome, error)
+        if self.on_finished is not None:
+            try:
+                self.on_finished(job)
+            except Exception:  # metrics must never break serving
+                logger.exception("on_finished failed")
+
+    async def _work(self) -> None:
+        assert self._wakeup is not None and self._loop is not None
+        while True:
+            while not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            job = self._waiting.popleft()
+            job.state = "running"
+            self._running = job
+            future = self._loop.run_in_executor(self._executor, self._generate, job, self._loop)
+            try:
+                outcome, error = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                job._request_stop("cancelled")
+                self._finish(job, "cancelled")
+                self._running = None
+                raise
+            self._running = None
+            self._finish(job, outcome, error)
+
+    def _generate(
+        self, job: Job, loop: asyncio.AbstractEventLoop
+    ) -> tuple[Outcome, BaseException | None]:
+        """Run on the engine thread: iterate the engine, hand text to the loop, obey stops."""
+        if job._should_stop():
+            return job.stop_requested or "cancelled", None
+        stream = self.engine.stream(job.prompt_ids, job.config, stats=job.stats)
+        try:
+            for chunk in stream:
+                if chunk.token is not None:
+                    job.completion_tokens += 1
+                if chunk.text:
+                    loop.call_soon_threadsafe(job._push, chunk.text)
+                if job._should_stop():
+                    return job.stop_requested or "cancelled", None
+        except Exception as error:
+            logger.exception("generation failed")
+            return "error", error
+        finally:
+            stream.close()
+        reason = job.stats.finish_reason
+        return (reason if reason in ("stop", "length") else "length"), None

@@ -1,0 +1,130 @@
+"""The command line: one-line errors for bad input, and generate end to end on a tiny pair."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flyspec.cli import main
+from tests.tiny import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model(tmp_path_factory):
+    """A model whose tokenizer differs from the tiny pair's."""
+    folder = tmp_path_factory.mktemp("other-vocab")
+    tokenizer = make_tiny_tokenizer(100, seed_words=("while", "class"))
+    make_tiny_model(vocab_size=100, seed=9).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, fragment):
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.startswith("flyspec: error:")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "x", "-k", "0"], "k must be"),
+        (["generate", "x", "--window", "-1"], "window must be"),
+        (["generate", "x", "--theta", "-0.5"], "theta must be"),
+        (["generate", "x", "--temperature", "-1"], "temperature must be"),
+        (["generate", "x", "--max-new-tokens", "0"], "max_new_tokens must be"),
+        (["generate", "x", "--drafter", "mla", "--draft-temperature", "1"], "mla drafter"),
+    ],
+)
+def test_bad_settings_give_one_line_errors(capsys, arguments, fragment):
+    code, _, err = run_cli(capsys, *arguments)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_unknown_mode_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "x", "--mode", "fast"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert_one_line_error(2, err, "invalid choice: 'fast'")
+
+
+def test_missing_model_path(capsys, tiny_pair, tmp_path):
+    draft, _ = tiny_pair
+    code, _, err = run_cli(
+        capsys, "generate", "x", "--target", str(tmp_path / "nope"), "--draft", str(draft)
+    )
+    assert_one_line_error(code, err, "does not exist")
+
+
+def test_pair_with_different_vocabularies_is_refused(capsys, tiny_pair, other_vocab_model):
+    _, target = tiny_pair
+    code, _, err = run_cli(
+        capsys, "generate", "x", "--target", str(target), "--draft", str(other_vocab_model)
+    )
+    assert_one_line_error(code, err, "tokenizer")
+
+
+def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
+    draft, target = tiny_pair
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "def f",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--compare-target",
+    )
+    assert code == 0
+    result = json.loads(out)
+    stats = result["stats"]
+    for name in ("rounds", "drafted", "accepted", "loosely_accepted", "rejected", "emitted"):
+        assert isinstance(stats[name], int)
+    assert stats["emitted"] == len(result["token_ids"])
+    assert isinstance(result["text"], str) and "tau" in stats and "seconds" in stats
+    assert result["baseline"]["stats"]["tau"] == 1.0
+    assert result["speedup"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--show"], ["--mode", "target"], ["--drafter", "mla"]])
+def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
+    draft, target = tiny_pair
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        "def f",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-new-tokens",
+        "8",
+        *extra,
+    )
+    assert code == 0
+    assert out.endswith("\n")
+    assert "tokens in" in err.splitlines()[-1]
+
+
+def test_installed_entry_point_reports_errors_without_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "flyspec.cli", "generate", "x", "-k", "-3"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "flyspec: error: k must be an integer >= 1, got -3"

@@ -1,0 +1,84 @@
+"""Text in, text out: incremental detokenisation, stop strings, chat prompts, results."""
+
+import pytest
+
+from flyspec.config import DecodeConfig
+from flyspec.engine import Engine, StopTextDecoder
+from flyspec.errors import FlyspecError
+from tests.tiny import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return Engine(
+        target_model=make_tiny_model(vocab_size=len(tokenizer), seed=5),
+        draft_model=make_tiny_model(vocab_size=len(tokenizer), seed=6),
+        tokenizer=tokenizer,
+    )
+
+
+def feed(decoder, text, tokenizer):
+    pieces = [decoder.add(token) for token in tokenizer.encode(text)]
+    return pieces + [decoder.flush()]
+
+
+def test_decoder_releases_the_whole_text(tokenizer):
+    decoder = StopTextDecoder(tokenizer)
+    assert "".join(feed(decoder, "def fibonacci(n):\n    return n", tokenizer)) == (
+        "def fibonacci(n):\n    return n"
+    )
+
+
+def test_stop_string_is_cut_and_never_released(tokenizer):
+    decoder = StopTextDecoder(tokenizer, stop=("\n\n",))
+    released = "".join(feed(decoder, "def f():\n    return 1\n\nprint(f())", tokenizer))
+    assert released == "def f():\n    return 1"
+    assert decoder.stopped
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
+    decoder = StopTextDecoder(tokenizer, stop=("return 2",))
+    released = "".join(decoder.add(token) for token in tokenizer.encode("x = 1\nreturn "))
+    assert released == "x = 1\n"  # "return " could still become "return 2"
+    released += "".join(decoder.add(token) for token in tokenizer.encode("1"))
+    assert released + decoder.flush() == "x = 1\nreturn 1"
+    assert not decoder.stopped
+
+
+def test_generate_applies_stop_strings(engine):
+    full = engine.generate("def f", DecodeConfig(mode="spd", k=4, max_new_tokens=30))
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = engine.generate("def f", DecodeConfig(mode="spd", k=4, max_new_tokens=30, stop=(stop,)))
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.stats.finish_reason == "stop"
+    assert len(cut.token_ids) <= len(full.token_ids)
+
+
+def test_generate_result_matches_the_target_alone(engine):
+    fly_off = engine.generate("for i in", DecodeConfig(mode="spd", max_new_tokens=20))
+    target = engine.generate("for i in", DecodeConfig(mode="target", max_new_tokens=20))
+    assert fly_off.token_ids == target.token_ids
+    assert fly_off.text == target.text
+    assert fly_off.as_dict()["stats"]["emitted"] == len(fly_off.token_ids)
+
+
+def test_chat_prompt_uses_the_template(engine, tokenizer):
+    ids = engine.encode("hi", chat=True)
+    assert tokenizer.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_empty_prompt_is_refused(engine, prompt):
+    with pytest.raises(FlyspecError, match="empty"):
+        engine.encode(prompt)
+
+
+def test_empty_messages_are_refused(engine):
+    with pytest.raises(FlyspecError, match="empty"):
+        engine.encode_messages([])
