@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up, pull the default models, and run FLy on a coding prompt with its speedup over the
+# target alone measured in the same run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/flyspec models pull
+.venv/bin/flyspec generate --chat --show --compare-target --max-new-tokens 128 \
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring."

@@ -1,0 +1,674 @@
+"""`flyspec serve`: the real server (uvicorn on a loopback port, in a thread) on tiny models,
+driven over HTTP with httpx and with the official openai client.
+
+Slow or blocked generations use :class:`ScriptedEngine`, a stand-in whose ``stream`` yields one
+token per step, optionally waiting on a gate or sleeping, so queueing, cancellation and time
+limits are tested without depending on what a random model happens to generate. Waiting for
+the server to reach a state polls ``/health`` or ``/metrics`` with a generous limit: nothing
+asserts on timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from flyspec.config import DecodeConfig
+from flyspec.engine import Engine, TextChunk
+from flyspec.server.app import create_app
+from flyspec.stats import RequestStats, RoundStats
+from tests.tiny import make_tiny_model, make_tiny_tokenizer
+
+MODEL = "tiny-test"
+VOCAB = 96
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return "
+MESSAGES = [{"role": "user", "content": "print the range of self"}]
+POLL_LIMIT = 30.0
+
+
+# ---------------------------------------------------------------- helpers and fixtures
+
+
+@contextlib.contextmanager
+def running(app) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + POLL_LIMIT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=POLL_LIMIT)
+        sock.close()
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + POLL_LIMIT
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    """The ``data:`` payloads of a server-sent event stream (``[DONE]`` kept as a string)."""
+    events: list[dict | str] = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metric_samples(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed by prometheus_client: {(sample name, sorted labels): value}."""
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    return metric_samples(client).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if status < 500 and status != 429:
+        assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_speculative(body: dict, mode: str) -> None:
+    spec = body["speculative"]
+    assert set(spec) >= {
+        "mode",
+        "rounds",
+        "tau",
+        "drafted",
+        "accepted",
+        "loosely_accepted",
+        "rejected",
+        "seconds",
+        "tokens_per_second",
+    }
+    assert spec["mode"] == mode
+    assert spec["accepted"] + spec["loosely_accepted"] + spec["rejected"] == spec["drafted"]
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    if spec["rounds"]:
+        assert spec["tau"] == pytest.approx(usage["completion_tokens"] / spec["rounds"], abs=1e-3)
+    if mode == "target":
+        assert spec["drafted"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> Engine:
+    """A tiny pair: the draft has the target's weights, so drafts are mostly accepted."""
+    tokenizer = make_tiny_tokenizer(VOCAB)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    draft = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    return Engine(target_model=target, draft_model=draft, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_engine) -> Iterator[str]:
+    app = create_app(
+        tiny_engine,
+        defaults=DecodeConfig(k=4, max_new_tokens=16),
+        model_name=MODEL,
+        queue_size=4,
+        request_timeout=120,
+    )
+    with running(app) as url:
+        yield url
+
+
+@pytest.fixture()
+def client(base_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture()
+def oai(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class ScriptedEngine:
+    """Stands in for an Engine: tokenises with a real tiny engine, but ``stream`` yields the
+    token ``a`` ``max_new_tokens`` times, waiting on :attr:`gate` and sleeping :attr:`delay`
+    before each one (one round of 2 drafted / 1 accepted per token)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.draft_model = engine.draft_model
+        self.context_length = 1_000_000
+        self.token_id = engine.tokenizer.convert_tokens_to_ids("a")
+        self.reset()
+
+    def reset(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.delay = 0.0
+        self.fail = False
+        self.started = 0
+        self.closed_early = 0
+        self.tokens = 0
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        return self.engine.encode(prompt, chat=chat)
+
+    def encode_messages(self, messages) -> list[int]:
+        return self.engine.encode_messages(messages)
+
+    def stream(self, prompt_ids, config: DecodeConfig, *, stats: RequestStats | None = None):
+        stats = stats if stats is not None else RequestStats()
+        stats.prompt_tokens = len(prompt_ids)
+        self.started += 1
+        try:
+            for _ in range(config.max_new_tokens):
+                assert self.gate.wait(timeout=POLL_LIMIT), "the test never opened the gate"
+                time.sleep(self.delay)
+                if self.fail:
+                    raise RuntimeError("scripted failure")
+                stats.add_round(RoundStats(2, 1, 0, 1, 0.0, 0.0))
+                self.tokens += 1
+                yield TextChunk(text="a", token=self.token_id, origin="exact")
+            stats.finish_reason = "length"
+        except GeneratorExit:
+            self.closed_early += 1
+            raise
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tiny_engine) -> Iterator[tuple[str, ScriptedEngine]]:
+    engine = ScriptedEngine(tiny_engine)
+    app = create_app(
+        engine,
+        defaults=DecodeConfig(k=4, max_new_tokens=8),
+        model_name=MODEL,
+        queue_size=1,
+        request_timeout=120,
+    )
+    with running(app) as url:
+        yield url, engine
+        engine.gate.set()
+
+
+@pytest.fixture()
+def scripted(scripted_server) -> Iterator[tuple[httpx.Client, ScriptedEngine]]:
+    url, engine = scripted_server
+    engine.reset()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client, engine
+    engine.gate.set()
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+def test_health_and_models(client):
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    assert health["queue"] == {"waiting": 0, "running": 0, "size": 4}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_error(client.get("/v1/models/other"), 404, "model")
+
+
+@pytest.mark.parametrize("mode", ["target", "spd", "fly"])
+def test_completion(client, tiny_engine, mode):
+    response = client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "mode": mode, "k": 3},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert isinstance(choice["text"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    assert 1 <= body["usage"]["completion_tokens"] <= 12 or choice["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] == len(tiny_engine.encode(PROMPT))
+    assert_speculative(body, mode)
+
+
+def test_same_greedy_output_in_every_mode(client):
+    """Lossless modes must reproduce the target's greedy text exactly."""
+    texts = {}
+    for mode in ("target", "spd"):
+        body = client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "mode": mode}
+        ).json()
+        texts[mode] = body["choices"][0]["text"]
+    assert texts["spd"] == texts["target"]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_text_equals_non_streamed_text(client, endpoint):
+    chat = endpoint.endswith("chat/completions")
+    request = {"max_tokens": 16, "mode": "fly", "k": 4, "temperature": 0}
+    request.update({"messages": MESSAGES} if chat else {"prompt": PROMPT})
+    plain = client.post(endpoint, json=request).json()
+    with client.stream("POST", endpoint, json={**request, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(isinstance(c, dict) and c["id"] == chunks[0]["id"] for c in chunks)
+    final = chunks[-1]
+    if chat:
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        expected = plain["choices"][0]["message"]["content"]
+    else:
+        assert all(c["object"] == "text_completion" for c in chunks)
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        expected = plain["choices"][0]["text"]
+    assert text == expected
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert final["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert final["usage"] == plain["usage"]
+    assert_speculative(final, "fly")
+    for name in ("rounds", "drafted", "accepted", "loosely_accepted", "rejected", "tau"):
+        assert final["speculative"][name] == plain["speculative"][name]
+
+
+def test_chat_completion(client):
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": "be short"},
+                {"role": "user", "content": [{"type": "text", "text": "def fibonacci"}]},
+            ],
+            "max_completion_tokens": 10,
+            "mode": "spd",
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    assert body["usage"]["completion_tokens"] <= 10
+    assert_speculative(body, "spd")
+
+
+def test_stop_strings(client):
+    full = client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "mode": "target"}
+    ).json()["choices"][0]["text"]
+    assert len(full) >= 6, full
+    stop = full[3:5]
+    for stop_field in (stop, [stop, "never-generated-zz"]):
+        body = client.post(
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 16, "mode": "fly", "stop": stop_field},
+        ).json()
+        assert body["choices"][0]["text"] == full[: full.find(stop)]
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_client(oai):
+    completion = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"mode": "fly", "k": 5, "window": 2, "theta": 0.5},
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    speculative = completion.model_extra["speculative"]
+    assert speculative["mode"] == "fly"
+    assert (
+        speculative["accepted"] + speculative["loosely_accepted"] + speculative["rejected"]
+        == speculative["drafted"]
+    )
+    assert completion.usage.completion_tokens <= 10
+
+    streamed = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"mode": "fly", "k": 5, "window": 2, "theta": 0.5},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+
+    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=3)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.model_extra["speculative"]["mode"] == "fly"
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, seed=3, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"k": 0})
+    assert caught.value.body["param"] == "k"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": -3}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": "a " * 1100}, "prompt"),
+    ({"prompt": PROMPT, "n": 2}, "n"),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "top_k": -1}, "top_k"),
+    ({"prompt": PROMPT, "stop": 5}, "stop"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop"),
+    ({"prompt": PROMPT, "seed": -1}, "seed"),
+    ({"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ({"prompt": PROMPT, "mode": "fast"}, "mode"),
+    ({"prompt": PROMPT, "drafter": "oracle"}, "drafter"),
+    ({"prompt": PROMPT, "k": 0}, "k"),
+    ({"prompt": PROMPT, "k": "4"}, "k"),
+    ({"prompt": PROMPT, "window": -1}, "window"),
+    ({"prompt": PROMPT, "theta": -0.5}, "theta"),
+    ({"prompt": PROMPT, "theta": "high"}, "theta"),
+    ({"prompt": PROMPT, "entropy": "full"}, "entropy"),
+    ({"prompt": PROMPT, "drafter": "mla", "temperature": 0.7}, None),
+    ({"prompt": PROMPT, "thetta": 0.3}, "thetta"),
+    ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+]
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "n": 3}, "n"),
+    ({"messages": MESSAGES, "k": -2}, "k"),
+]
+
+
+@pytest.mark.parametrize(("payload", "param"), BAD_COMPLETIONS)
+def test_bad_completion_requests(client, payload, param):
+    error = assert_error(client.post("/v1/completions", json=payload), 400, param)
+    if payload.get("max_tokens") == 5000 or "prompt" in payload and len(payload["prompt"]) > 2000:
+        assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("payload", "param"), BAD_CHATS)
+def test_bad_chat_requests(client, payload, param):
+    assert_error(client.post("/v1/chat/completions", json=payload), 400, param)
+
+
+def test_unknown_model_is_404(client):
+    for endpoint, extra in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ):
+        error = assert_error(client.post(endpoint, json={"model": "gpt-4", **extra}), 404)
+        assert error["param"] == "model" and error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b'{"prompt": "x", ', "application/json"),
+        (b"\xff\xfe\x00", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b'"just a string"', "application/json"),
+        (b"", "application/json"),
+        (b'{"prompt": "x"}', "text/plain"),
+    ],
+)
+def test_malformed_bodies(client, content, content_type):
+    response = client.post(
+        "/v1/completions", content=content, headers={"content-type": content_type}
+    )
+    assert_error(response, 400)
+
+
+def test_wrong_paths_and_methods(client):
+    assert_error(client.get("/v1/completions"), 405)
+    assert_error(client.post("/v1/unknown", json={}), 404)
+
+
+def test_server_keeps_serving_after_bad_requests(client):
+    for payload, _ in BAD_COMPLETIONS[:8]:
+        client.post("/v1/completions", json=payload)
+    client.post("/v1/completions", content=b"{{{", headers={"content-type": "application/json"})
+    response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert response.status_code == 200
+    assert client.get("/health").json()["status"] == "ok"
+
+
+# ---------------------------------------------------------------- queue, cancellation, limits
+
+
+def test_full_queue_answers_429(scripted):
+    client, engine = scripted
+    engine.gate.clear()  # the running generation blocks before its first token
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str) -> None:
+        with httpx.Client(base_url=str(client.base_url), timeout=60) as own:
+            results[name] = own.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    wait_until(lambda: client.get("/health").json()["queue"]["running"] == 1, "a running job")
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+    wait_until(lambda: client.get("/health").json()["queue"]["waiting"] == 1, "a waiting job")
+    assert metric(client, "flyspec_queue_length") == 1
+
+    refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    error = assert_error(refused, 429)
+    assert error["code"] == "rate_limit_exceeded"
+    assert refused.headers.get("retry-after") == "1"
+    streamed = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert_error(streamed, 429)
+
+    engine.gate.set()
+    first.join(timeout=POLL_LIMIT)
+    second.join(timeout=POLL_LIMIT)
+    assert results["first"].status_code == 200 and results["second"].status_code == 200
+    assert results["first"].json()["choices"][0]["text"] == "aa"
+    assert metric(client, "flyspec_requests_total", endpoint="/v1/completions", status="429") >= 2
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_streaming_client_disconnect_cancels_generation(scripted):
+    client, engine = scripted
+    engine.delay = 0.01  # 1000 tokens would take 10 s or more
+    before = metric(client, "flyspec_generations_total", mode="fly", outcome="cancelled")
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "stream": True}
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk read; leaving the block closes the connection
+    wait_until(
+        lambda: (
+            metric(client, "flyspec_generations_total", mode="fly", outcome="cancelled")
+            == before + 1
+        ),
+        "the cancelled generation",
+    )
+    assert engine.closed_early == 1
+    assert engine.tokens < 1000
+    assert metric(client, "flyspec_requests_total", endpoint="/v1/completions", status="499") >= 1
+    assert client.get("/health").json()["queue"] == {"waiting": 0, "running": 0, "size": 1}
+    assert client.post("/v1/completions", json={"prompt": "x"}).json()["choices"][0]["text"]
+
+
+def test_non_streaming_client_disconnect_cancels_generation(scripted):
+    client, engine = scripted
+    engine.delay = 0.01
+    before = metric(client, "flyspec_generations_total", mode="fly", outcome="cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000}, timeout=0.5)
+    wait_until(
+        lambda: (
+            metric(client, "flyspec_generations_total", mode="fly", outcome="cancelled")
+            == before + 1
+        ),
+        "the cancelled generation",
+    )
+    assert engine.closed_early == 1 and engine.tokens < 1000
+
+
+def test_request_timeout_ends_with_length(tiny_engine):
+    engine = ScriptedEngine(tiny_engine)
+    engine.delay = 0.01
+    app = create_app(
+        engine, defaults=DecodeConfig(), model_name=MODEL, queue_size=2, request_timeout=0.3
+    )
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000}).json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["speculative"]["timed_out"] is True
+        assert 0 < body["usage"]["completion_tokens"] < 5000
+        assert body["choices"][0]["text"] == "a" * body["usage"]["completion_tokens"]
+
+        with client.stream(
+            "POST", "/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+        ) as response:
+            events = sse_events(response)
+        final = events[-2]
+        assert events[-1] == "[DONE]"
+        assert final["choices"][0]["finish_reason"] == "length"
+        assert final["speculative"]["timed_out"] is True
+        assert metric(client, "flyspec_generations_total", mode="fly", outcome="timeout") == 2
+
+
+def test_engine_failure_is_a_500_and_the_server_survives(scripted):
+    client, engine = scripted
+    engine.fail = True
+    error = assert_error(client.post("/v1/completions", json={"prompt": "x"}), 500)
+    assert error["type"] == "server_error"
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    engine.fail = False
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+# ---------------------------------------------------------------- metrics and CLI
+
+
+def test_metrics_are_prometheus_text(client):
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "mode": "spd"})
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    samples = metric_samples(client)
+    names = {name for name, _ in samples}
+    for expected in (
+        "flyspec_requests_total",
+        "flyspec_prompt_tokens_total",
+        "flyspec_generated_tokens_total",
+        "flyspec_rounds_total",
+        "flyspec_drafted_tokens_total",
+        "flyspec_accepted_tokens_total",
+        "flyspec_loosely_accepted_tokens_total",
+        "flyspec_rejected_tokens_total",
+        "flyspec_tau_bucket",
+        "flyspec_tau_count",
+        "flyspec_queue_length",
+        "flyspec_requests_running",
+        "flyspec_request_duration_seconds_bucket",
+        "flyspec_request_duration_seconds_sum",
+    ):
+        assert expected in names, expected
+    spd = (("mode", "spd"),)
+    assert samples[("flyspec_drafted_tokens_total", spd)] == (
+        samples[("flyspec_accepted_tokens_total", spd)]
+        + samples.get(("flyspec_loosely_accepted_tokens_total", spd), 0)
+        + samples[("flyspec_rejected_tokens_total", spd)]
+    )
+    ok = (("endpoint", "/v1/completions"), ("status", "200"))
+    bad = (("endpoint", "/v1/completions"), ("status", "400"))
+    assert samples[("flyspec_requests_total", ok)] >= 1
+    assert samples[("flyspec_requests_total", bad)] >= 1
+    assert samples[("flyspec_queue_length", ())] == 0
+    inf_bucket = (("endpoint", "/v1/completions"), ("le", "+Inf"))
+    assert samples[("flyspec_request_duration_seconds_bucket", inf_bucket)] >= 2
+
+
+def test_serve_command_line():
+    from flyspec.cli import build_parser, decode_config_from_args
+    from flyspec.server import run_serve
+    from flyspec.server.cli import default_model_name
+
+    args = build_parser().parse_args(
+        ["serve", "--port", "0", "--mode", "spd", "-k", "7", "--queue-size", "3"]
+    )
+    assert args.handler is run_serve
+    assert (args.host, args.port, args.queue_size, args.request_timeout) == ("127.0.0.1", 0, 3, 600)
+    config = decode_config_from_args(args)
+    assert (config.mode, config.k) == ("spd", 7)
+    assert default_model_name(None, "/cache/models/Qwen2.5-Coder-1.5B-Instruct") == (
+        "Qwen2.5-Coder-1.5B-Instruct"
+    )
+    assert default_model_name("org/some-model", "org/some-model") == "org/some-model"
+    assert default_model_name(None, "/x/model-q4.gguf") == "model-q4"
