@@ -74,20 +74,16 @@ def test_pair_with_different_vocabularies_is_refused(capsys, tiny_pair, other_vo
     assert_one_line_error(code, err, "tokenizer")
 
 
-def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
+def generate_on_tiny_pair(capsys, tiny_pair, *extra):
     draft, target = tiny_pair
-    code, out, _ = run_cli(
-        capsys,
-        "generate",
-        "def f",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--max-new-tokens",
-        "12",
-        "--json",
-        "--compare-target",
+    return run_cli(
+        capsys, "generate", "def f", "--target", str(target), "--draft", str(draft), *extra
+    )
+
+
+def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
+    code, out, _ = generate_on_tiny_pair(
+        capsys, tiny_pair, "--max-new-tokens", "12", "--json", "--compare-target"
     )
     assert code == 0
     result = json.loads(out)
@@ -102,19 +98,7 @@ def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
 
 @pytest.mark.parametrize("extra", [[], ["--show"], ["--mode", "target"], ["--drafter", "mla"]])
 def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
-    draft, target = tiny_pair
-    code, out, err = run_cli(
-        capsys,
-        "generate",
-        "def f",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--max-new-tokens",
-        "8",
-        *extra,
-    )
+    code, out, err = generate_on_tiny_pair(capsys, tiny_pair, "--max-new-tokens", "8", *extra)
     assert code == 0
     assert out.endswith("\n")
     assert "tokens in" in err.splitlines()[-1]

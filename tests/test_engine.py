@@ -82,3 +82,9 @@ def test_empty_prompt_is_refused(engine, prompt):
 def test_empty_messages_are_refused(engine):
     with pytest.raises(FlyspecError, match="empty"):
         engine.encode_messages([])
+
+
+def test_prompt_plus_budget_past_the_context_is_refused(engine):
+    too_many = engine.context_length  # the tiny models hold 1024 positions
+    with pytest.raises(FlyspecError, match="exceeds the model's context"):
+        engine.generate("def f", DecodeConfig(max_new_tokens=too_many))

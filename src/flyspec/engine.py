@@ -204,6 +204,12 @@ class Engine:
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
         ``config.max_new_tokens``."""
+        if len(prompt_ids) + config.max_new_tokens > self.context_length:
+            raise FlyspecError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
+                f"({config.max_new_tokens}) exceeds the model's context of "
+                f"{self.context_length} tokens"
+            )
         stats = stats if stats is not None else RequestStats()
         text = StopTextDecoder(self.tokenizer, config.stop)
         events: Iterator[TokenEvent] = self.decoder.stream(prompt_ids, config, stats=stats)
