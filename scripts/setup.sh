@@ -12,9 +12,9 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-extras=""
+extras="[serve]"
 if [ "${1:-}" = "--test" ]; then
-    extras="[test]"
+    extras="[serve,test]"
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 echo "flyspec installed in $(pwd)/.venv"

@@ -121,6 +121,10 @@ def test_eos_inside_a_block_ends_the_request_before_it(target):
     tokens = run(decoder, PROMPTS[2], DecodeConfig(mode="spd", k=6, max_new_tokens=30), stats)
     assert tokens == expected[:stop_at]
     assert stats.finish_reason == "stop"
+    assert stats.emitted == stop_at
+    assert stats.rounds[-1].ended_by_eos
+    # tau counts the end-of-sequence token the last round committed.
+    assert stats.tau == pytest.approx((stop_at + 1) / stats.num_rounds)
 
 
 def test_statistics_add_up(target, draft):

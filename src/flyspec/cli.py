@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     from flyspec.server import add_parser as add_serve_parser
 
     add_serve_parser(commands)
+    from flyspec.evaluation import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
+    from flyspec.bench import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

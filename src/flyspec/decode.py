@@ -113,7 +113,8 @@ class SpeculativeDecoder:
         if config.sampling.seed is not None:
             generator = torch.Generator().manual_seed(config.sampling.seed)
         elif not config.sampling.greedy or config.draft_temperature > 0:
-            generator = torch.Generator().manual_seed(torch.seed())
+            generator = torch.Generator()
+            generator.seed()  # fresh entropy, without touching torch's global generator
         drafter = self._drafter(config, generator)
         clock = _BusyClock()
 
@@ -159,6 +160,7 @@ class SpeculativeDecoder:
                     accepted=verdict.num_accepted - verdict.num_loose,
                     loosely_accepted=verdict.num_loose,
                     emitted=emitted,
+                    ended_by_eos=finished,
                     draft_seconds=draft_done - round_start,
                     verify_seconds=verify_done - draft_done,
                 )

@@ -17,6 +17,12 @@ class RoundStats:
     emitted: int
     draft_seconds: float
     verify_seconds: float
+    ended_by_eos: bool = False
+
+    @property
+    def committed(self) -> int:
+        """Tokens the round produced, counting an end-of-sequence token (never emitted)."""
+        return self.emitted + int(self.ended_by_eos)
 
     @property
     def rejected(self) -> int:
@@ -29,7 +35,8 @@ class RequestStats:
     """Statistics of one request, filled in by the decoding loop as it runs.
 
     ``accepted`` counts exact acceptances, ``loosely_accepted`` the mismatches FLy kept;
-    ``tau`` is the mean number of tokens emitted per round (1 for the target alone);
+    ``tau`` is the mean number of tokens committed per round, an end-of-sequence token
+    included (1 for the target alone);
     ``seconds`` is the time spent inside the decoder (prefill included, the caller's time
     between tokens excluded).
     """
@@ -80,7 +87,9 @@ class RequestStats:
 
     @property
     def tau(self) -> float:
-        return self.emitted / self.num_rounds if self.rounds else 0.0
+        if not self.rounds:
+            return 0.0
+        return sum(r.committed for r in self.rounds) / self.num_rounds
 
     @property
     def tokens_per_second(self) -> float:

@@ -191,6 +191,8 @@ class _Server:
             return Response(status_code=CLIENT_CLOSED)
         if job.outcome == "error":
             raise _generation_failed(job)
+        if job.outcome == "cancelled":
+            raise _shutting_down()
         build = protocol.chat_body if chat else protocol.completion_body
         return JSONResponse(
             build(
@@ -296,7 +298,9 @@ class _Server:
                 yield _sse(protocol.completion_chunk(**common, text=piece))
         if job.outcome == "error":
             yield _sse(_generation_failed(job).body())
-        elif job.outcome != "cancelled":
+        elif job.outcome == "cancelled":
+            yield _sse(_shutting_down().body())
+        else:
             finish_reason = job.finish_reason or "length"
             if chat:
                 final = protocol.chat_chunk(**common, delta={}, finish_reason=finish_reason)
@@ -350,7 +354,7 @@ def request_config(
     except ConfigError as error:
         message = str(error)
         param = _CONFIG_PARAMS.get(message.split(" ", 1)[0])
-        raise APIError(400, message, param=param) from None
+        raise APIError(400, message, param=param, code="invalid_value") from None
 
 
 class _JobStreamingResponse(StreamingResponse):
@@ -407,6 +411,12 @@ def _generation_failed(job: Job) -> APIError:
     )
 
 
+def _shutting_down() -> APIError:
+    return APIError(
+        503, "the server is shutting down", type="server_error", code="server_shutting_down"
+    )
+
+
 def _unknown_model(requested: str, served: str) -> APIError:
     return APIError(
         404,
@@ -442,14 +452,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
         if error.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif error.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        elif error.status_code == 400:
+            message = f"the request body could not be read as UTF-8 JSON ({error.detail})"
+            code = "invalid_json"
         else:
             message = str(error.detail)
         return JSONResponse(
-            protocol.error_body(message, code=str(error.status_code)),
+            protocol.error_body(message, code=code),
             status_code=error.status_code,
             headers=getattr(error, "headers", None),
         )
@@ -467,10 +481,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None]:
     """``(message, param, code)`` for FastAPI's validation errors: the first error decides
-    ``param``; the message names every problem."""
+    ``param`` and ``code``; the message names every problem."""
     errors = list(errors)
     if not errors:
-        return "invalid request", None, None
+        return "invalid request", None, "invalid_value"
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
@@ -482,24 +496,35 @@ def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None
         )
     messages: list[str] = []
     params: list[str] = []
+    codes: list[str] = []
     for error in errors:
         loc = [part for part in error.get("loc", ()) if part != "body"]
         # Drop union branch names such as 'str' / 'list[str]' that pydantic adds to locations.
         loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         param = ".".join(str(p) for p in loc) or None
+        kind = error.get("type")
         text = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        if error.get("type") == "missing":
-            text = "required field is missing" if param else "a JSON body is required"
-        elif error.get("type") == "extra_forbidden":
-            text = "unrecognized request argument"
-        elif error.get("type") == "model_attributes_type" and param is None:
-            text = "the request body must be a JSON object (send Content-Type: application/json)"
-        entry = f"{param}: {text}" if param else text
+        code = "invalid_type" if str(kind).endswith("_type") else "invalid_value"
+        if kind == "missing":
+            code = "missing_required_parameter"
+            entry = f"{param}: required field is missing" if param else "a JSON body is required"
+        elif kind == "extra_forbidden":
+            code = "unknown_parameter"
+            entry = f"unrecognized request argument supplied: {param}"
+        elif kind == "model_attributes_type" and param is None:
+            entry = "the request body must be a JSON object"
+            if isinstance(error.get("input"), bytes | str):
+                entry += " sent with Content-Type: application/json"
+        elif param and not text.startswith(f"{param} "):
+            entry = f"{param}: {text}"
+        else:
+            entry = text
         if entry not in messages:
             messages.append(entry)
         if param and param not in params:
             params.append(param)
-    return "; ".join(messages), (params[0] if params else None), "invalid_value"
+        codes.append(code)
+    return "; ".join(messages), (params[0] if params else None), codes[0]
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}

@@ -10,6 +10,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_QUEUE_SIZE = 8
 DEFAULT_REQUEST_TIMEOUT = 600.0
+GRACEFUL_SHUTDOWN_SECONDS = 5  # on Ctrl-C, streams still open after this are cut
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -79,9 +80,15 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{defaults.drafter!r} drafter; add --mode target or --drafter ngram"
         )
 
-    import uvicorn
+    try:
+        import uvicorn
 
-    from flyspec.server.app import create_app
+        from flyspec.server.app import create_app
+    except ImportError as error:
+        raise FlyspecError(
+            f"flyspec serve needs the 'serve' extra ({error.name} is missing): "
+            "pip install 'flyspec[serve]'"
+        ) from None
 
     engine = load_engine(args, with_draft=not args.no_draft)
     app = create_app(
@@ -91,7 +98,13 @@ def run_serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         request_timeout=args.request_timeout,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
     return 0
 
 

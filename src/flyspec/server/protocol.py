@@ -40,7 +40,7 @@ class APIError(Exception):
         self.status_code = status_code
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None or status_code != 400 else "invalid_value"
         self.type = type
 
     def body(self) -> dict[str, Any]:

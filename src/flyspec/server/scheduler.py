@@ -241,7 +241,10 @@ class GenerationQueue:
                 if chunk.token is not None:
                     job.completion_tokens += 1
                 if chunk.text:
-                    loop.call_soon_threadsafe(job._push, chunk.text)
+                    try:
+                        loop.call_soon_threadsafe(job._push, chunk.text)
+                    except RuntimeError:  # the event loop is gone: the server is stopping
+                        return "cancelled", None
                 if job._should_stop():
                     return job.stop_requested or "cancelled", None
         except Exception as error:
