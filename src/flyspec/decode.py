@@ -109,13 +109,11 @@ class SpeculativeDecoder:
             raise FlyspecError("the prompt is empty: give at least one token")
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
-        generator = None
-        if config.sampling.seed is not None:
-            generator = torch.Generator().manual_seed(config.sampling.seed)
-        elif not config.sampling.greedy or config.draft_temperature > 0:
-            generator = torch.Generator()
-            generator.seed()  # fresh entropy, without touching torch's global generator
-        drafter = self._drafter(config, generator)
+        target_generator = _generator(self.target.device, config)
+        draft_generator = None
+        if self.draft is not None and config.draft_temperature > 0:
+            draft_generator = _generator(self.draft.device, config, offset=1)
+        drafter = self._drafter(config, draft_generator)
         clock = _BusyClock()
 
         self.target.reset()
@@ -139,7 +137,7 @@ class SpeculativeDecoder:
                 round_start = time.perf_counter()
                 draft = drafter.propose(context, k) if k > 0 else Draft.empty()
                 draft_done = time.perf_counter()
-                verdict = self._verify(context, draft, config, generator)
+                verdict = self._verify(context, draft, config, target_generator)
                 verify_done = time.perf_counter()
 
                 tokens = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
@@ -194,14 +192,14 @@ class SpeculativeDecoder:
         config: DecodeConfig,
         generator: torch.Generator | None,
     ) -> Verdict:
-        draft_tokens = draft.tokens
-        target_logits = self.target.logits(context + draft_tokens.tolist(), len(draft) + 1)
+        target_logits = self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
+        draft_tokens = draft.tokens.to(target_logits.device)
         if config.sampling.greedy:
             return verify_greedy(draft_tokens, target_logits, fly=config.loosening)
         target_probs = sampling_probs(target_logits, config.sampling)
         draft_probs = draft.probs
-        if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
-            draft_probs = _resize_vocab(draft_probs, target_probs.shape[-1])
+        if draft_probs is not None:
+            draft_probs = _resize_vocab(draft_probs.to(target_probs.device), target_probs.shape[-1])
         return verify_sampling(
             draft_tokens,
             draft_probs,
@@ -212,12 +210,32 @@ class SpeculativeDecoder:
         )
 
 
+def _generator(
+    device: torch.device, config: DecodeConfig, *, offset: int = 0
+) -> torch.Generator | None:
+    """A private random generator on ``device`` for a sampled request (None when greedy).
+
+    Seeded from ``config.sampling.seed`` (plus ``offset``, so that the draft's and the target's
+    streams differ) or else from fresh entropy; torch's global generator is never touched.
+    """
+    if config.sampling.greedy and config.draft_temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    if config.sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(config.sampling.seed + offset)
+    return generator
+
+
 def _output_vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
 def _resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
     """Pad with zeros or cut ``[K, V_draft] -> [K, size]`` (models padded to other sizes)."""
+    if probs.shape[-1] == size:
+        return probs
     if probs.shape[-1] > size:
         return probs[..., :size]
     return torch.nn.functional.pad(probs, (0, size - probs.shape[-1]))
