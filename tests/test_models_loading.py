@@ -182,9 +182,12 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_device("cuda")
     with pytest.raises(FlyspecError, match="unknown device"):
         resolve_device("gpu0")
+    with pytest.raises(FlyspecError, match="none is available"):
+        resolve_device("balanced")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert resolve_device("auto") == "cuda"
+    assert resolve_device("balanced") == "balanced"
     assert resolve_device("cuda:0") == "cuda:0"
     with pytest.raises(FlyspecError, match="does not exist"):
         resolve_device("cuda:3")

@@ -166,7 +166,9 @@ class Engine:
             check_same_tokenizer(
                 load_tokenizer(draft), tokenizer, draft_name=draft, target_name=target
             )
-            draft_model = load_causal_lm(draft, dtype=dtype, device=device)
+            # Beside a target spread over the GPUs, the small draft lives on the first one.
+            draft_device = "cuda:0" if device == "balanced" else device
+            draft_model = load_causal_lm(draft, dtype=dtype, device=draft_device)
         target_model = load_causal_lm(target, dtype=dtype, device=device)
         return cls(
             target_model=target_model,

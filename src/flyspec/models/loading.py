@@ -96,17 +96,27 @@ def _one_line(error: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+BALANCED = "balanced"
+
+
 def resolve_device(device: str | None) -> str:
     """Map ``None``/``"auto"`` to ``"cuda"`` when a GPU is usable, else ``"cpu"``; validate others.
 
-    Accepted: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``. A device that is not available here
-    raises FlyspecError.
+    Accepted: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``, and ``balanced`` (the model's
+    layers spread over every visible GPU, for targets too big for one). A device that is not
+    available here raises FlyspecError.
     """
     if device is None or device.strip().lower() in ("", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     name = device.strip().lower()
     if name == "cpu":
         return "cpu"
+    if name == BALANCED:
+        if not torch.cuda.is_available():
+            raise FlyspecError(
+                f"device {BALANCED!r} spreads a model over the CUDA GPUs, but none is available"
+            )
+        return name
     match = re.fullmatch(r"cuda(?::(\d+))?", name)
     if match:
         if not torch.cuda.is_available():
@@ -122,7 +132,7 @@ def resolve_device(device: str | None) -> str:
         if not torch.backends.mps.is_available():
             raise FlyspecError("device 'mps' asked for, but MPS is not available here; use cpu")
         return name
-    raise FlyspecError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or mps")
+    raise FlyspecError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N, mps or balanced")
 
 
 def load_causal_lm(
@@ -132,6 +142,8 @@ def load_causal_lm(
     source = _resolve_source(spec)
     target_device = resolve_device(device)
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": source.local_files_only}
+    if target_device == BALANCED:
+        kwargs["device_map"] = "auto"  # accelerate places the layers over all GPUs
     if source.gguf_file is not None:
         _require_accelerate()
         kwargs["gguf_file"] = source.gguf_file
@@ -143,7 +155,8 @@ def load_causal_lm(
         raise _load_failed(source, "model", error) from error
     if source.gguf_file is not None:
         release_gguf_quantizer(model)
-    model.to(target_device)
+    if target_device != BALANCED:
+        model.to(target_device)
     model.eval()
     return model
 
