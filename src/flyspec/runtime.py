@@ -30,3 +30,12 @@ def configure_cpu_math() -> None:
     """
     if "MKL_CBWR" not in os.environ and cpu_has_avx2():
         os.environ["MKL_CBWR"] = "AVX2"
+
+
+def set_torch_threads(threads: int) -> None:
+    """Use ``threads`` threads for torch's intra-op parallelism (matrix products)."""
+    import torch
+
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,14 @@ def measure_forward_cost(
     repeats: int = 5,
     warmup: int = 2,
     seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[ForwardCost]:
     """Time one forward over n = 1 .. ``max_new_tokens`` new tokens after ``context_tokens``.
 
     The repeats are interleaved over n (1, 2, .., N, 1, 2, ..) so that a drifting machine load
     hits every n alike; ``warmup`` untimed rounds over all n come first. Token ids are random
-    (the cost does not depend on them).
+    (the cost does not depend on them). ``clock`` may be ``time.thread_time`` to count CPU time
+    only, which a busy machine disturbs less (with one torch thread).
     """
     from transformers import DynamicCache
 
@@ -68,9 +71,9 @@ def measure_forward_cost(
     for repeat in range(warmup + repeats):
         for n in times:
             crop_cache(cache, context_tokens)
-            started = time.perf_counter()
+            started = clock()
             model(input_ids=extra[:, :n], cache=cache, use_cache=True, logits_to_keep=n)
-            elapsed = time.perf_counter() - started
+            elapsed = clock() - started
             if repeat >= warmup:
                 times[n].append(elapsed)
     base = statistics.median(times[1])

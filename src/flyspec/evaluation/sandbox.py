@@ -38,6 +38,7 @@ nonce, so printing "passed" or calling ``exit(0)`` early cannot fake a pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -407,10 +408,8 @@ def _wait_or_kill(process: subprocess.Popen, timeout_s: float) -> bool:
             break
         time.sleep(_POLL_S)
     # The group leader is not reaped yet, so its process group id still names our group.
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     process.wait()
     return timed_out
 
@@ -431,7 +430,10 @@ def _interpret(
     tail = "\n".join(kept).strip()[-_DETAIL_CHARS:]
     if timed_out:
         return SandboxResult(
-            False, "timeout", _join(f"killed after the {timeout_s:g}s wall-clock limit", tail), seconds
+            False,
+            "timeout",
+            _join(f"killed after the {timeout_s:g}s wall-clock limit", tail),
+            seconds,
         )
     if report is not None and returncode == 0:
         status = report.get("status")
@@ -444,7 +446,9 @@ def _interpret(
         except ValueError:
             name = f"signal {signal_number}"
         hint = {"SIGKILL": " (CPU-time limit or out of memory)", "SIGXCPU": " (CPU-time limit)"}
-        return SandboxResult(False, "killed", _join(f"killed by {name}{hint.get(name, '')}", tail), seconds)
+        return SandboxResult(
+            False, "killed", _join(f"killed by {name}{hint.get(name, '')}", tail), seconds
+        )
     return SandboxResult(
         False,
         "error",
@@ -505,7 +509,9 @@ def _candidates() -> list[_Backend]:
     if os.geteuid() == 0:
         interpreter = _interpreter_for_nobody()
         if interpreter is not None:
-            tools = {name: shutil.which(name, path=_SAFE_PATH) for name in ("unshare", "setpriv", "sh")}
+            tools = {
+                name: shutil.which(name, path=_SAFE_PATH) for name in ("unshare", "setpriv", "sh")
+            }
             if all(tools.values()) and shutil.which("mount", path=_SAFE_PATH):
                 backends.append(_NamespaceBackend(interpreter, tools))  # type: ignore[arg-type]
             backends.append(_SetuidBackend(interpreter))
@@ -532,9 +538,13 @@ def _choose(backends: Sequence[_Backend]) -> tuple[SandboxInfo, _Backend]:
             "print('ok')", timeout_s=20, memory_mb=512, max_processes=8, max_file_mb=1
         )
         if probe.passed:
-            info = SandboxInfo(backend.name, backend.interpreter, backend.guarantees(), tuple(notes))
+            info = SandboxInfo(
+                backend.name, backend.interpreter, backend.guarantees(), tuple(notes)
+            )
             return info, backend
         notes.append(f"backend {backend.name} unavailable: {probe.status}: {probe.detail[:300]}")
     # Even the plain backend failed: keep it, every program will be reported as an error.
     backend = backends[-1]
-    return SandboxInfo(backend.name, backend.interpreter, backend.guarantees(), tuple(notes)), backend
+    return SandboxInfo(
+        backend.name, backend.interpreter, backend.guarantees(), tuple(notes)
+    ), backend

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -108,7 +109,9 @@ class HumanEvalTask:
             return Prompt(raw=problem.prompt)
         # The reply opens with the problem's own code, so the model writes the body only.
         return Prompt(
-            messages=({"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=problem.prompt)},),
+            messages=(
+                {"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=problem.prompt)},
+            ),
             reply_prefix="```python\n" + problem.prompt,
         )
 
@@ -195,11 +198,13 @@ def _sanitize(source: str) -> str:
 
 def _parse_longest_prefix(source: str) -> ast.Module | None:
     lines = source.split("\n")
-    for end in range(len(lines), 0, -1):
-        try:
-            return ast.parse("\n".join(lines[:end]))
-        except (SyntaxError, ValueError):
-            continue
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. SyntaxWarning on odd literals in broken code
+        for end in range(len(lines), 0, -1):
+            try:
+                return ast.parse("\n".join(lines[:end]))
+            except (SyntaxError, ValueError):
+                continue
     return None
 
 
