@@ -62,7 +62,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="token budget per generation (default: humaneval 384, gsm8k 320)",
+        help="token budget per generation (default: humaneval 384, gsm8k 384)",
     )
     parser.add_argument(
         "--task",
@@ -72,9 +72,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--limit",
-        type=int,
         default=None,
-        help="first N problems of each task (default: humaneval 40, gsm8k 50)",
+        help="first N problems of each task, or per task as humaneval=N,gsm8k=M "
+        "(default: humaneval 40, gsm8k 40)",
     )
     parser.add_argument(
         "--prompt-style",
@@ -130,6 +130,25 @@ def _numbers(text: str, kind, option: str) -> list:
         raise FlyspecError(f"{option}: not a list of numbers: {text!r}") from None
 
 
+def _limits(text: str | None) -> dict[str, int]:
+    """``"40"`` -> every task 40; ``"humaneval=40,gsm8k=50"`` -> per task (key ``*`` = all)."""
+    from flyspec.errors import FlyspecError
+
+    limits: dict[str, int] = {}
+    for item in _split(text):
+        name, _, value = item.rpartition("=")
+        name = name.strip() or "*"
+        if name != "*" and name not in TASKS:
+            raise FlyspecError(f"--limit: unknown task {name!r}; choose from {', '.join(TASKS)}")
+        try:
+            limits[name] = int(value)
+        except ValueError:
+            raise FlyspecError(f"--limit: not a number: {value!r}") from None
+        if limits[name] < 1:
+            raise FlyspecError("--limit must be at least 1")
+    return limits
+
+
 def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     """The ``eval`` handler. ``problems`` (task name -> list of problems) replaces the
     datasets, for tests and custom problem sets."""
@@ -153,8 +172,7 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
         raise FlyspecError("--modes needs at least one method")
     thetas = _numbers(args.theta, float, "--theta")
     windows = _numbers(args.window, int, "--window")
-    if args.limit is not None and args.limit < 1:
-        raise FlyspecError("--limit must be at least 1")
+    limits = _limits(args.limit)
     if args.exec_timeout <= 0 or args.exec_memory_mb <= 0:
         raise FlyspecError("--exec-timeout and --exec-memory-mb must be positive")
 
@@ -178,7 +196,7 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     runs = []
     for name in task_names:
         task = make_task(name, timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
-        limit = args.limit or task.default_limit
+        limit = limits.get(name, limits.get("*", task.default_limit))
         if problems is not None:
             chosen = list(problems.get(name, []))[:limit]
         else:

@@ -231,8 +231,8 @@ class Gsm8kTask:
 
     name: str = "gsm8k"
     version: str = "gsm8k-v1"
-    default_limit: int = 50
-    default_max_new_tokens: int = 320
+    default_limit: int = 40
+    default_max_new_tokens: int = 384
 
     def problem_id(self, problem: Gsm8kQuestion) -> str:
         return f"gsm8k/{problem.index}"

@@ -1,0 +1,175 @@
+"""On-disk cache of generations, so an interrupted evaluation resumes and a rerun is free.
+
+One small JSON file per generation, ``<cache dir>/<key[:2]>/<key>.json``, written to a
+temporary file in the same folder and renamed into place (atomic on POSIX). The key is the
+SHA-256 of everything that decides the generated text:
+
+* the models' identities (:func:`model_identity`: the resolved path, the sizes of the weight
+  files, hashes of the small config/tokenizer files and of flyspec's install marker); the draft
+  model only where the method uses it;
+* the weights' dtype and device;
+* the prompt's token ids, the task's prompt/stop-rule version;
+* the decoding settings, with the ones that cannot change the text left out (the drafting and
+  FLy settings for the target alone, the FLy settings for exact SPD) and without the token
+  budget: an entry made under another ``max_new_tokens`` is reused when :func:`reusable` shows
+  the budget cannot have changed its text (a greedy generation that ended well before both
+  budgets).
+
+A cached entry keeps the timing statistics of the run that produced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from flyspec.config import DecodeConfig
+
+CACHE_FORMAT = 1
+_HASHED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "flyspec-ok.json",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def default_cache_dir() -> Path:
+    from flyspec.models.default_pair import flyspec_home
+
+    return flyspec_home() / "eval-cache"
+
+
+@lru_cache(maxsize=16)
+def model_identity(spec: str) -> dict:
+    """What identifies a model's weights, cheaply: the resolved path, the size of every
+    weight file and the SHA-256 of the small files that describe it. A hub id that is not a
+    local path is identified by its name."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return {"name": spec}
+    real = path.resolve()
+    files = [real] if real.is_file() else sorted(p for p in real.iterdir() if p.is_file())
+    sizes = {p.name: p.stat().st_size for p in files if p.suffix in _WEIGHT_SUFFIXES}
+    hashes = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.name in _HASHED_FILES
+    }
+    return {"path": str(real), "weights": sizes, "files": hashes}
+
+
+def decoding_identity(config: DecodeConfig) -> dict:
+    """The decoding settings that can change the generated text."""
+    settings = dataclasses.asdict(config)
+    settings.pop("max_new_tokens")
+    if config.mode == "target":
+        for name in ("drafter", "k", "fly", "draft_temperature", "max_ngram", "mla_proposals"):
+            settings.pop(name)
+    elif config.loosening is None:
+        settings.pop("fly")
+    settings["stop"] = list(config.stop)
+    return settings
+
+
+def reusable(entry: dict, config: DecodeConfig) -> bool:
+    """Whether a cached generation made under ``entry["max_new_tokens"]`` is exactly what
+    ``config`` would generate.
+
+    Same budget: yes. Otherwise only for greedy decoding, when the entry ended (EOS, stop
+    string, answer) rather than hit its budget, and ended early enough that neither budget
+    could have mattered: the target alone and exact SPD produce the target's greedy text
+    whatever the budget; FLy's draft blocks are shortened within ``k`` tokens of the budget,
+    which can change what is loosely accepted, so FLy needs ``k + 1`` tokens of margin.
+    """
+    old_budget = entry.get("max_new_tokens")
+    if old_budget == config.max_new_tokens:
+        return True
+    if not isinstance(old_budget, int) or not config.sampling.greedy:
+        return False
+    if entry.get("finish_reason") in (None, "length"):
+        return False
+    emitted = len(entry.get("token_ids", ()))
+    margin = 0 if config.loosening is None else config.k + 1
+    return emitted + margin < min(old_budget, config.max_new_tokens)
+
+
+def generation_key(
+    *,
+    task_version: str,
+    prompt_ids: Sequence[int],
+    config: DecodeConfig,
+    target: dict,
+    draft: dict | None,
+    dtype: str,
+    device: str,
+) -> str:
+    payload = {
+        "format": CACHE_FORMAT,
+        "task": task_version,
+        "target": target,
+        "draft": draft if config.uses_draft_model else None,
+        "dtype": dtype,
+        "device": device,
+        "prompt_ids": list(prompt_ids),
+        "decoding": decoding_identity(config),
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class GenerationCache:
+    """JSON entries under ``folder``; ``folder=None`` caches nothing."""
+
+    def __init__(self, folder: Path | str | None) -> None:
+        self.folder = None if folder is None else Path(folder).expanduser()
+        self.hits = 0
+        self.misses = 0
+
+    def _path(self, key: str) -> Path:
+        assert self.folder is not None
+        return self.folder / key[:2] / f"{key}.json"
+
+    def get(self, key: str, config: DecodeConfig | None = None) -> dict | None:
+        """The entry under ``key`` (usable for ``config`` when given, see :func:`reusable`)."""
+        if self.folder is None:
+            self.misses += 1
+            return None
+        try:
+            entry = json.loads(self._path(key).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            entry = None
+        if (
+            not isinstance(entry, dict)
+            or entry.get("key") != key
+            or (config is not None and not reusable(entry, config))
+        ):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return entry
+
+    def put(self, key: str, entry: dict) -> None:
+        if self.folder is None:
+            return
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{key[:8]}-", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as out:
+                json.dump({**entry, "key": key}, out, ensure_ascii=False)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise

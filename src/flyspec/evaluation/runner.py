@@ -1,0 +1,253 @@
+"""Run every method on the same problems: generate (or take from the cache), then score.
+
+Problems are visited one at a time and every method runs on a problem before the next problem
+starts, so slow drifts of the machine's load hit all methods alike.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from flyspec.config import DecodeConfig
+from flyspec.evaluation.cache import GenerationCache, generation_key, model_identity
+from flyspec.evaluation.tasks import Outcome, Task
+from flyspec.stats import RequestStats
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of decoding: the target alone, exact SPD, or FLy at one (theta, window)."""
+
+    name: str
+    mode: str
+    theta: float | None = None
+    window: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode == "target":
+            return "target"
+        if self.mode == "spd":
+            return "SPD"
+        return f"FLy θ={self.theta:g} W={self.window}"
+
+    def config(self, base: DecodeConfig) -> DecodeConfig:
+        if self.mode != "fly":
+            return base.with_updates(mode=self.mode)
+        return base.with_updates(
+            mode="fly", fly=replace(base.fly, theta=self.theta, window=self.window)
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "mode": self.mode,
+            "theta": self.theta,
+            "window": self.window,
+        }
+
+
+def build_methods(
+    modes: Sequence[str], thetas: Sequence[float], windows: Sequence[int]
+) -> list[Method]:
+    """``target``, ``spd`` and one ``fly`` method per (theta, window): named ``fly`` when
+    there is only one combination, else ``fly-theta<θ>-w<W>``."""
+    methods: list[Method] = []
+    for mode in dict.fromkeys(modes):
+        if mode in ("target", "spd"):
+            methods.append(Method(mode, mode))
+            continue
+        combos = [(t, w) for t in dict.fromkeys(thetas) for w in dict.fromkeys(windows)]
+        for theta, window in combos:
+            name = "fly" if len(combos) == 1 else f"fly-theta{theta:g}-w{window}"
+            methods.append(Method(name, "fly", float(theta), int(window)))
+    return methods
+
+
+@dataclass(frozen=True)
+class TaskRun:
+    """A task, its problems and the token budget of one generation."""
+
+    task: Task
+    problems: Sequence
+    max_new_tokens: int
+
+
+@dataclass
+class Sample:
+    """One method's generation on one problem, scored."""
+
+    task: str
+    problem_id: str
+    method: str
+    text: str
+    stats: dict
+    finish_reason: str | None
+    cached: bool
+    key: str
+    outcome: Outcome
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return float(self.stats.get("tokens_per_second") or 0.0)
+
+    def as_dict(self, *, with_text: bool = True) -> dict:
+        data = {
+            "task": self.task,
+            "problem_id": self.problem_id,
+            "method": self.method,
+            "correct": self.outcome.correct,
+            "outcome": self.outcome.label,
+            "outcome_detail": self.outcome.detail,
+            "finish_reason": self.finish_reason,
+            "cached": self.cached,
+            "cache_key": self.key,
+            "stats": self.stats,
+        }
+        if with_text:
+            data["text"] = self.text
+        return data
+
+
+@dataclass
+class EngineIdentity:
+    target: dict
+    draft: dict | None
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, engine) -> EngineIdentity:
+        parameter = next(engine.target_model.parameters())
+        return cls(
+            target=model_identity(str(engine.target_name)),
+            draft=None if engine.draft_name is None else model_identity(str(engine.draft_name)),
+            dtype=str(parameter.dtype).removeprefix("torch."),
+            device=str(parameter.device),
+        )
+
+
+ProgressHook = Callable[[Sample], None]
+
+
+def evaluate(
+    engine,
+    runs: Sequence[TaskRun],
+    methods: Sequence[Method],
+    base: DecodeConfig,
+    *,
+    cache: GenerationCache,
+    chat: bool,
+    progress: bool = True,
+    on_sample: ProgressHook | None = None,
+) -> list[Sample]:
+    """Generate and score every (problem, method) pair; cached generations are reused."""
+    from tqdm import tqdm
+
+    identity = EngineIdentity.of(engine)
+    total = sum(len(run.problems) for run in runs) * len(methods)
+    warmed: set[str] = set()
+    samples: list[Sample] = []
+    bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="gen", dynamic_ncols=True)
+    try:
+        for run in runs:
+            task = run.task
+            for problem in run.problems:
+                problem_id = task.problem_id(problem)
+                prompt_ids = task.prompt(problem, chat=chat).token_ids(engine.tokenizer)
+                for method in methods:
+                    bar.set_postfix_str(f"{problem_id} {method.name}", refresh=False)
+                    config = method.config(base).with_updates(
+                        max_new_tokens=run.max_new_tokens,
+                        stop=tuple(dict.fromkeys(base.stop + task.stop_strings(chat=chat))),
+                    )
+                    key = generation_key(
+                        task_version=task.version,
+                        prompt_ids=prompt_ids,
+                        config=config,
+                        target=identity.target,
+                        draft=identity.draft,
+                        dtype=identity.dtype,
+                        device=identity.device,
+                    )
+                    entry = cache.get(key, config)
+                    cached = entry is not None
+                    if entry is None:
+                        if config.mode not in warmed:
+                            _warm_up(engine, prompt_ids, config)
+                            warmed.add(config.mode)
+                        entry = _generate(engine, prompt_ids, config, task.is_complete)
+                        entry.update(
+                            task=task.name,
+                            task_version=task.version,
+                            problem_id=problem_id,
+                            method=method.as_dict(),
+                        )
+                        cache.put(key, entry)
+                    outcome = task.score(problem, entry["text"], chat=chat)
+                    sample = Sample(
+                        task=task.name,
+                        problem_id=problem_id,
+                        method=method.name,
+                        text=entry["text"],
+                        stats=entry["stats"],
+                        finish_reason=entry.get("finish_reason"),
+                        cached=cached,
+                        key=key,
+                        outcome=outcome,
+                        token_ids=list(entry.get("token_ids", [])),
+                    )
+                    samples.append(sample)
+                    if on_sample is not None:
+                        on_sample(sample)
+                    bar.update(1)
+    finally:
+        bar.close()
+    return samples
+
+
+def _warm_up(engine, prompt_ids: Sequence[int], config: DecodeConfig) -> None:
+    """A couple of tokens first, so one-time costs do not land on the first timed sample."""
+    engine.generate(prompt_ids, config.with_updates(max_new_tokens=2, stop=()))
+
+
+def _generate(
+    engine, prompt_ids: Sequence[int], config: DecodeConfig, is_complete: Callable[[str], bool]
+) -> dict:
+    """One generation, stopped early once the task says the answer is complete."""
+    stats = RequestStats()
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    text = ""
+    answered = False
+    stream = engine.stream(prompt_ids, config, stats=stats)
+    try:
+        for chunk in stream:
+            if chunk.token is not None:
+                token_ids.append(chunk.token)
+            if chunk.text:
+                pieces.append(chunk.text)
+                text += chunk.text
+                if is_complete(text):
+                    answered = True
+                    break
+    finally:
+        stream.close()
+    summary = stats.as_dict()
+    if not math.isfinite(summary.get("tokens_per_second", 0.0)):
+        summary["tokens_per_second"] = 0.0
+    return {
+        "text": "".join(pieces),
+        "token_ids": token_ids,
+        "max_new_tokens": config.max_new_tokens,
+        "prompt_tokens": len(prompt_ids),
+        "stats": summary,
+        "finish_reason": "answer" if answered else stats.finish_reason,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

@@ -1,0 +1,459 @@
+"""Tests of ``flyspec eval``: sandbox, answer extraction, statistics, cache, end to end on a
+tiny random pair (fast; no dataset packages needed: problems are injected)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from flyspec.config import SamplingConfig
+from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
+from flyspec.evaluation.sandbox import run_sandboxed, sandbox_info
+from flyspec.evaluation.tasks import (
+    Gsm8kTask,
+    HumanEvalTask,
+    Outcome,
+    extract_gsm8k_answer,
+    extract_humaneval_code,
+    normalize_number,
+)
+
+# ---------------------------------------------------------------------------------- sandbox
+
+FAST = {"timeout_s": 3.0, "memory_mb": 512}
+
+
+def _confined() -> bool:
+    """True when the sandbox runs programs as another, non-root user (root backends)."""
+    return sandbox_info().backend in ("namespaces", "setuid")
+
+
+def test_sandbox_passes_a_correct_program():
+    result = run_sandboxed("def f(x):\n    return x + 1\n\nassert f(1) == 2\n", **FAST)
+    assert result.passed and result.status == "passed"
+
+
+def test_sandbox_reports_an_assertion_failure():
+    result = run_sandboxed("assert 1 + 1 == 3, 'arithmetic'\n", **FAST)
+    assert not result.passed
+    assert result.status == "failed"
+    assert "AssertionError: arithmetic" in result.detail
+
+
+def test_sandbox_reports_other_exceptions_and_syntax_errors_as_errors():
+    assert run_sandboxed("raise KeyError('k')\n", **FAST).status == "error"
+    syntax = run_sandboxed("def f(:\n", **FAST)
+    assert syntax.status == "error" and "SyntaxError" in syntax.detail
+
+
+def test_sandbox_kills_an_infinite_loop():
+    started = time.monotonic()
+    result = run_sandboxed("while True:\n    pass\n", timeout_s=1.0, memory_mb=512)
+    assert not result.passed
+    assert result.status == "timeout"
+    assert time.monotonic() - started < 5
+
+
+def test_sandbox_stops_a_fork_bomb():
+    if not _confined() and os.geteuid() == 0:
+        pytest.skip("RLIMIT_NPROC does not bind root; no non-root sandbox backend here")
+    started = time.monotonic()
+    result = run_sandboxed("import os\nwhile True:\n    os.fork()\n", timeout_s=3.0, memory_mb=512)
+    assert not result.passed
+    assert result.status in ("error", "timeout", "killed")
+    assert time.monotonic() - started < 10
+
+
+def test_sandbox_refuses_a_huge_allocation():
+    result = run_sandboxed("block = bytearray(100 * 1024**3)\n", timeout_s=5.0, memory_mb=256)
+    assert not result.passed
+    assert result.status in ("error", "killed")
+
+
+def test_sandbox_cannot_write_outside_its_folder(tmp_path):
+    if not _confined():
+        pytest.skip("the plain backend runs as the calling user and may write where it can")
+    target = tmp_path / "escaped.txt"
+    for path in (str(target), "../escaped.txt", "/tmp/flyspec-escaped.txt"):
+        result = run_sandboxed(f"open({path!r}, 'w').write('x')\n", **FAST)
+        assert not result.passed, path
+    assert not target.exists()
+    assert not os.path.exists("/tmp/flyspec-escaped.txt")
+    # Its own working folder is writable.
+    inside = run_sandboxed(
+        "open('mine.txt', 'w').write('x')\nassert open('mine.txt').read()\n", **FAST
+    )
+    assert inside.passed
+
+
+def test_sandbox_refuses_sockets_and_early_exit():
+    assert not run_sandboxed("import socket\nsocket.socket()\n", **FAST).passed
+    # Exiting with status 0 before the tests ran must not count as a pass.
+    assert not run_sandboxed("import sys\nsys.exit(0)\nassert False\n", **FAST).passed
+    assert not run_sandboxed("import os\nos._exit(0)\n", **FAST).passed
+
+
+# -------------------------------------------------------------------------------- HumanEval
+
+PROMPT = '''from typing import List
+
+
+def below(numbers: List[int], limit: int) -> List[int]:
+    """Keep the numbers below limit.
+    >>> below([1, 5, 2], 3)
+    [1, 2]
+    """
+'''
+BODY = "    return [n for n in numbers if n < limit]\n"
+
+
+def _run(code: str, entry_point: str = "below"):
+    namespace: dict = {}
+    exec(compile(code, "<test>", "exec"), namespace)  # trusted test code
+    return namespace[entry_point]([1, 5, 2], 3)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        BODY,  # bare body continuing the prompt
+        "return [n for n in numbers if n < limit]\n",  # bare body without indentation
+        # a full definition that repeats the signature (and omits the typing import)
+        "def below(numbers: List[int], limit: int) -> List[int]:\n" + BODY,
+        # a fenced block with prose around it, an example call and a main guard
+        "Here is the solution:\n\n```python\ndef below(numbers, limit):\n"
+        + BODY
+        + "\n\nprint(below([1], 2))\nassert below([9], 1) == [9]\n\n"
+        "if __name__ == '__main__':\n    print(input())\n```\nIt filters the list.",
+        # a body followed by a closing fence and explanation
+        BODY + "```\n\nThis keeps every number below the limit.",
+        # a completion cut off by the token limit after a complete body
+        BODY + "\n\ndef helper(x):\n    return (x +",
+    ],
+)
+def test_humaneval_code_extraction(completion):
+    code = extract_humaneval_code(PROMPT, "below", completion)
+    assert _run(code) == [1, 2]
+    assert "print(" not in code and "__main__" not in code
+
+
+def test_humaneval_task_scores_in_the_sandbox():
+    problem = HumanEvalProblem(
+        task_id="Test/0",
+        prompt=PROMPT,
+        entry_point="below",
+        test="def check(candidate):\n    assert candidate([1, 5, 2], 3) == [1, 2]\n",
+        canonical_solution=BODY,
+    )
+    task = HumanEvalTask(timeout_s=5.0, memory_mb=512)
+    assert task.score(problem, BODY, chat=True) == Outcome(True, "passed", "")
+    wrong = task.score(problem, "    return numbers\n", chat=True)
+    assert not wrong.correct and wrong.label == "failed"
+    hang = HumanEvalTask(timeout_s=1.0, memory_mb=512).score(
+        problem, "    while True:\n        pass\n", chat=True
+    )
+    assert not hang.correct and hang.label == "timeout"
+
+
+# ------------------------------------------------------------------------------------ GSM8K
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("She makes 9 * 2 = $18 every day.\nThe answer is 18.", "18"),
+        ("The answer is $1,234.", "1234"),
+        ("So the total is 1,234,567 dollars.", "1234567"),
+        ("The answer is 18 dollars.", "18"),
+        ("It costs $18.", "18"),
+        ("The temperature drops to -5 degrees.\nThe answer is -5.", "-5"),
+        ("The answer is \u22123", "-3"),
+        ("The answer is 3.50", "3.5"),
+        ("#### 3.5", "3.5"),
+        ("The answer is 7.0.", "7"),
+        # several numbers: the final answer marker wins over later numbers ...
+        ("The answer is 42. (Check: 40 + 2 = 42, and 6 * 7 = 43 - 1.)", "42"),
+        # ... the last marker wins over an earlier one ...
+        ("First I thought the answer is 10.\nRechecking: 5 + 7 = 12.\nThe answer is 12.", "12"),
+        # ... without a marker, the last number; a subtraction is not a negative number
+        ("16 - 3 - 4 = 9 eggs, and 9 * 2 = 18", "18"),
+        ("10-4=6", "6"),
+        ("Final answer: 25%", "25"),
+        ("\\boxed{72}", "72"),
+        ("Answer: 3, 4 and 5 are the sides", "3"),
+        ("I cannot tell.", None),
+    ],
+)
+def test_gsm8k_answer_extraction(text, expected):
+    assert extract_gsm8k_answer(text) == expected
+
+
+def test_gsm8k_number_normalisation_and_scoring():
+    assert normalize_number("1,234.50") == "1234.5"
+    assert normalize_number("$18") == "18"
+    assert normalize_number("-0") == "0"
+    assert normalize_number("abc") is None
+    question = Gsm8kQuestion(index=3, question="?", solution="... #### 1,234", answer="1234")
+    task = Gsm8kTask()
+    assert task.score(question, "The answer is $1,234.00.", chat=True).correct
+    assert not task.score(question, "The answer is 1,235.", chat=True).correct
+    assert task.score(question, "no idea", chat=True).label == "no answer"
+    assert task.is_complete("Step 1.\nThe answer is 18.\n")
+    assert not task.is_complete("Step 1.\nThe answer is 18.")  # the line may continue
+    assert not task.is_complete("To find the answer, add 3 and 4.\n")
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def test_wilson_interval_on_hand_numbers():
+    from flyspec.evaluation.report import wilson_interval
+
+    low, high = wilson_interval(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)
+    low, high = wilson_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = wilson_interval(10, 10)
+    assert low == pytest.approx(0.7225, abs=1e-4) and high == 1.0
+    low, high = wilson_interval(33, 40)
+    assert low == pytest.approx(0.6805, abs=1e-4) and high == pytest.approx(0.9125, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_paired_bootstrap_recovery():
+    from flyspec.evaluation.report import paired_bootstrap_recovery
+
+    same = [True, False, True, True, False] * 4
+    assert paired_bootstrap_recovery(same, same) == (100.0, 100.0)
+    assert paired_bootstrap_recovery([False] * 5, [True] * 5) is None
+    low, high = paired_bootstrap_recovery([True] * 20, [True] * 18 + [False] * 2)
+    assert 70 <= low < 90 <= high <= 100
+
+
+def _sample(problem_id, method, correct, tps, text="x", task="gsm8k"):
+    from flyspec.evaluation.runner import Sample
+
+    label = "correct (1)" if correct else "wrong (2)"
+    stats = {"tokens_per_second": tps, "emitted": 10, "rounds": 10 if method == "target" else 4}
+    return Sample(
+        task, problem_id, method, text, stats, "stop", False, "k", Outcome(correct, label)
+    )
+
+
+def test_summary_reports_recovery_speedup_and_changed_outcomes(tmp_path):
+    from flyspec.evaluation import report
+    from flyspec.evaluation.runner import build_methods
+
+    methods = build_methods(["target", "spd", "fly"], [0.3], [6])
+    samples = []
+    for i, (target_ok, fly_ok) in enumerate(
+        [(True, True), (True, False), (False, True), (True, True)]
+    ):
+        samples.append(_sample(f"p{i}", "target", target_ok, 2.0, text=f"t{i}"))
+        samples.append(_sample(f"p{i}", "spd", target_ok, 2.0, text=f"t{i}"))
+        samples.append(_sample(f"p{i}", "fly", fly_ok, 3.0, text=f"t{i}" if i == 0 else "y"))
+    tasks = report.summarize(samples, methods, ["gsm8k"])
+    fly = tasks["gsm8k"]["methods"]["fly"]
+    assert fly["correct"] == 3 and fly["recovery_percent"] == pytest.approx(100.0)
+    assert fly["speedup"] == pytest.approx(1.5) and fly["tau"] == pytest.approx(2.5)
+    assert fly["time_speedup"] is None  # no timings in these samples
+    assert fly["identical_to_target"] == 1
+    assert [(c["id"], c["target"], c["method"]) for c in fly["changed"]] == [
+        ("p1", "correct (1)", "wrong (2)"),
+        ("p2", "wrong (2)", "correct (1)"),
+    ]
+    spd = tasks["gsm8k"]["methods"]["spd"]
+    assert spd["changed"] == [] and spd["recovery_ci95"] == [100.0, 100.0]
+    payload = {
+        "created": "now",
+        "models": {"target": {"path": "t"}, "draft": {"path": "d"}},
+        "settings": {"decoding_summary": "greedy", "prompt_style": "chat template"},
+        "sandbox": None,
+        "cache": {"hits": 0, "misses": 12},
+        "tasks": tasks,
+    }
+    assert report.plot_tradeoff(tmp_path / "plot.png", payload)
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = report.render_markdown(payload)
+    assert "| p1 | correct (1) | wrong (2) |" in markdown and "1.50x" in markdown
+
+
+def test_methods_from_a_sweep():
+    from flyspec.evaluation.runner import build_methods
+
+    names = [m.name for m in build_methods(["target", "spd", "fly"], [0.0, 0.3], [0, 4, 6])]
+    assert names[:2] == ["target", "spd"] and len(names) == 8
+    assert "fly-theta0-w4" in names and "fly-theta0.3-w6" in names
+    assert [m.name for m in build_methods(["fly"], [0.3], [6])] == ["fly"]
+
+
+# ---------------------------------------------------------------------- cache and end to end
+
+
+def _problems():
+    humaneval = [
+        HumanEvalProblem(
+            task_id=f"Tiny/{i}",
+            prompt=f"def add{i}(a, b):\n    '''add two numbers'''\n",
+            entry_point=f"add{i}",
+            test="def check(candidate):\n    assert candidate(1, 2) == 3\n",
+            canonical_solution="    return a + b\n",
+        )
+        for i in range(2)
+    ]
+    gsm8k = [
+        Gsm8kQuestion(
+            index=i, question=f"what is {i} plus 2?", solution=f"#### {i + 2}", answer=str(i + 2)
+        )
+        for i in range(2)
+    ]
+    return {"humaneval": humaneval, "gsm8k": gsm8k}
+
+
+def _eval_args(tiny_pair, tmp_path, *extra):
+    from flyspec.cli import build_parser
+
+    draft, target = tiny_pair
+    return build_parser().parse_args(
+        [
+            "eval",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--max-new-tokens",
+            "8",
+            "-k",
+            "4",
+            "--output",
+            str(tmp_path / "out"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-progress",
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, above all on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_eval_end_to_end_on_tiny_models_with_cache(
+    tiny_pair, tmp_path, monkeypatch, capsys, one_thread
+):
+    from flyspec.engine import Engine
+    from flyspec.evaluation import run_eval
+
+    calls = {"n": 0}
+    original = Engine.stream
+
+    def counting_stream(self, *args, **kwargs):
+        calls["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "stream", counting_stream)
+    args = _eval_args(tiny_pair, tmp_path, "--theta", "0,0.3", "--window", "6")
+    assert run_eval(args, problems=_problems()) == 0
+    payload = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert set(payload["tasks"]) == {"humaneval", "gsm8k"}
+    methods = payload["tasks"]["gsm8k"]["methods"]
+    assert list(methods) == ["target", "spd", "fly-theta0-w6", "fly-theta0.3-w6"]
+    assert all(m["n"] == 2 for m in methods.values())
+    # lossless decoding reproduces the target's text exactly
+    assert methods["spd"]["identical_to_target"] == 2
+    assert len(payload["samples"]) == 16 and payload["cache"]["misses"] == 16
+    assert "| target |" in (tmp_path / "out" / "eval.md").read_text()
+    generated = calls["n"]
+    assert generated >= 16  # plus warm-ups
+
+    # A rerun takes everything from the cache and never calls the engine.
+    calls["n"] = 0
+    assert run_eval(args, problems=_problems()) == 0
+    assert calls["n"] == 0
+    rerun = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert rerun["cache"]["hits"] == 16 and rerun["cache"]["misses"] == 0
+    assert [s["text"] for s in rerun["samples"]] == [s["text"] for s in payload["samples"]]
+
+    # A changed FLy setting misses for the fly methods only (target and spd are reused).
+    changed = _eval_args(tiny_pair, tmp_path, "--theta", "0,0.3", "--window", "4")
+    assert run_eval(changed, problems=_problems()) == 0
+    third = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert third["cache"]["misses"] == 8 and third["cache"]["hits"] == 8
+    assert all(s["cached"] == (s["method"] in ("target", "spd")) for s in third["samples"])
+
+
+def test_cache_entries_are_atomic_json(tmp_path):
+    from flyspec.config import DecodeConfig, FlyConfig
+    from flyspec.evaluation.cache import GenerationCache, generation_key
+
+    common = {"task_version": "v", "prompt_ids": [1, 2], "target": {"p": 1}, "draft": {"p": 2}}
+    common.update(dtype="float32", device="cpu")
+    fly = generation_key(config=DecodeConfig(mode="fly"), **common)
+    assert fly != generation_key(
+        config=DecodeConfig(mode="fly", fly=FlyConfig(theta=0.0)), **common
+    )
+    assert fly != generation_key(config=DecodeConfig(mode="fly"), **{**common, "prompt_ids": [1]})
+    # the target alone does not depend on drafting or FLy settings, nor on the draft model
+    target = generation_key(config=DecodeConfig(mode="target"), **common)
+    assert target == generation_key(
+        config=DecodeConfig(mode="target", k=3, fly=FlyConfig(window=0)),
+        **{**common, "draft": {"p": 3}},
+    )
+    cache = GenerationCache(tmp_path)
+    assert cache.get(fly) is None
+    cache.put(fly, {"text": "hi"})
+    assert cache.get(fly)["text"] == "hi"
+    assert [p.suffix for p in (tmp_path / fly[:2]).iterdir()] == [".json"]
+    (tmp_path / fly[:2] / f"{fly}.json").write_text("{truncated")
+    assert cache.get(fly) is None  # a damaged entry is a miss
+
+
+def test_eval_rejects_bad_options(tiny_pair, tmp_path):
+    from flyspec.errors import FlyspecError
+    from flyspec.evaluation import run_eval
+
+    for extra in (["--task", "mmlu"], ["--modes", "fast"], ["--theta", "x"], ["--window", "-1"]):
+        with pytest.raises(FlyspecError):
+            run_eval(_eval_args(tiny_pair, tmp_path, *extra), problems=_problems())
+
+
+def test_cached_generation_reuse_across_token_budgets():
+    from flyspec.config import DecodeConfig
+    from flyspec.evaluation.cache import reusable
+
+    def entry(emitted, budget, finish="stop"):
+        return {"token_ids": [0] * emitted, "max_new_tokens": budget, "finish_reason": finish}
+
+    target = DecodeConfig(mode="target", max_new_tokens=384)
+    fly = DecodeConfig(mode="fly", k=15, max_new_tokens=384)
+    assert reusable(entry(300, 384, "length"), target)  # same budget: always
+    assert reusable(entry(250, 320), target)  # ended before both budgets
+    assert not reusable(entry(320, 320, "length"), target)  # hit its budget
+    assert not reusable(entry(250, 240 + 15), DecodeConfig(mode="target", max_new_tokens=250))
+    assert reusable(entry(250, 320), fly)  # 250 + 16 < 320
+    assert not reusable(entry(310, 320), fly)  # the last blocks were shortened
+    sampled = DecodeConfig(mode="fly", max_new_tokens=384, sampling=SamplingConfig(temperature=1))
+    assert not reusable(entry(10, 320), sampled)
+
+
+def test_limit_option_per_task():
+    from flyspec.errors import FlyspecError
+    from flyspec.evaluation import _limits
+
+    assert _limits(None) == {}
+    assert _limits("5") == {"*": 5}
+    assert _limits("humaneval=40,gsm8k=50") == {"humaneval": 40, "gsm8k": 50}
+    for bad in ("mmlu=3", "humaneval=x", "0"):
+        with pytest.raises(FlyspecError):
+            _limits(bad)
