@@ -120,6 +120,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
+    kernels = parser.add_argument_group("CPU kernels (applied to the models after loading)")
+    kernels.add_argument(
+        "--linear",
+        default="onednn",
+        choices=cfg.LINEAR_KERNELS,
+        help="float32 Linear layers on oneDNN with pre-packed weights (default), or torch's "
+        "default kernels",
+    )
+    kernels.add_argument(
+        "--draft-quant",
+        default="int8",
+        choices=cfg.QUANTIZATIONS,
+        help="int8 (dynamic) or fp16 weights for the draft's Linear layers (default int8; a "
+        "draft never changes what exact SPD emits)",
+    )
+    kernels.add_argument(
+        "--target-quant",
+        default="none",
+        choices=cfg.QUANTIZATIONS,
+        help="int8 or fp16 weights for the target's Linear layers (default none; int8 makes a "
+        "multi-token forward differ from one-token forwards, so spd no longer equals target)",
+    )
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,7 +217,16 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
         device=args.device,
         dtype=getattr(torch, args.dtype),
     )
-    _say(f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()})")
+    from flyspec.kernels import apply_cpu_kernels
+
+    kernels = apply_cpu_kernels(
+        engine, linear=args.linear, draft_quant=args.draft_quant, target_quant=args.target_quant
+    )
+    _say(
+        f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()}, "
+        f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
+        f"target: {kernels['target_quant']})"
+    )
     return engine
 
 

@@ -35,6 +35,9 @@ DEFAULT_MAX_NGRAM = 4
 DEFAULT_MLA_PROPOSALS = 6
 DEFAULT_MAX_NEW_TOKENS = 128
 
+LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")
+
 
 class ConfigError(FlyspecError, ValueError):
     """A configuration value is out of range or unknown."""

@@ -123,6 +123,7 @@ class Engine:
         self.decoder = SpeculativeDecoder(
             target_model, draft_model, eos_token_ids=eos_token_ids(tokenizer, target_model)
         )
+        self.kernels: dict = {"linear": "default", "draft_quant": "none", "target_quant": "none"}
 
     @property
     def target_model(self) -> torch.nn.Module:

@@ -1,0 +1,221 @@
+"""The methods a benchmark compares, each behind one small interface.
+
+A method runs one prompt to the end and returns the new token ids and the wall time of the
+call. flyspec's own methods (``target``, ``spd``, ``ngram``, ``fly``, ``fly-mla``) also return
+their per-round statistics; transformers' peers (``hf-*``: ``model.generate`` with an assistant
+model or prompt lookup) return tokens and time only. Every method stops at the same EOS set and
+``max_new_tokens`` and counts only newly generated tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from flyspec.config import DecodeConfig
+from flyspec.errors import FlyspecError
+from flyspec.stats import RequestStats
+
+# name -> (mode, drafter) of flyspec's decoder.
+FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
+    "target": ("target", "model"),
+    "spd": ("spd", "model"),
+    "ngram": ("spd", "ngram"),
+    "fly": ("fly", "model"),
+    "fly-mla": ("fly", "mla"),
+}
+HF_METHODS = ("hf-assisted-k", "hf-assisted", "hf-pld", "hf-target")
+DEFAULT_METHODS = (
+    "target",
+    "spd",
+    "ngram",
+    "fly",
+    "fly-mla",
+    "hf-assisted-k",
+    "hf-assisted",
+    "hf-pld",
+)
+ALL_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)
+METHODS_NEEDING_DRAFT = frozenset({"spd", "fly", "fly-mla", "hf-assisted-k", "hf-assisted"})
+LOSSLESS_METHODS = frozenset({"target", "spd", "ngram", "hf-target"})
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"target,fly"`` -> ``["target", "fly"]``, validated; ``target`` is added first when
+    missing (it is the baseline of every speedup)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise FlyspecError(f"--methods is empty; choose from {', '.join(ALL_METHODS)}")
+    unknown = [name for name in names if name not in ALL_METHODS]
+    if unknown:
+        raise FlyspecError(
+            f"unknown method(s) {', '.join(unknown)} in --methods; "
+            f"choose from {', '.join(ALL_METHODS)}"
+        )
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise FlyspecError(f"method(s) listed twice in --methods: {', '.join(duplicates)}")
+    if "target" not in names:
+        names.insert(0, "target")
+    return names
+
+
+@dataclass
+class SampleRun:
+    """One prompt run by one method: new tokens (EOS excluded), wall seconds of the call and,
+    for flyspec's methods, the per-round statistics."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: RequestStats | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+class Method(Protocol):
+    name: str
+    settings: dict
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+        """Generate for one prompt; ``seed`` seeds sampling (ignored when greedy)."""
+        ...
+
+
+def _cut_at_eos(tokens: Sequence[int], eos_token_ids: frozenset[int]) -> list[int]:
+    for index, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return list(tokens[:index])
+    return list(tokens)
+
+
+class FlyspecMethod:
+    """flyspec's decoder in one mode/drafter; timed around the whole token stream."""
+
+    def __init__(self, name: str, engine, config: DecodeConfig) -> None:
+        mode, drafter = FLYSPEC_METHODS[name]
+        self.name = name
+        self.decoder = engine.decoder
+        self.config = config.with_updates(mode=mode, drafter=drafter)
+        self.settings = {"mode": mode, "drafter": drafter}
+        if mode != "target":
+            self.settings["k"] = config.k
+        if mode == "fly":
+            self.settings.update(
+                window=config.fly.window, theta=config.fly.theta, entropy=config.fly.entropy
+            )
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+        config = self.config.with_updates(
+            max_new_tokens=max_new_tokens, sampling=replace(self.config.sampling, seed=seed)
+        )
+        stats = RequestStats()
+        started = time.perf_counter()
+        tokens = [event.token for event in self.decoder.stream(prompt_ids, config, stats=stats)]
+        return SampleRun(tokens, time.perf_counter() - started, stats)
+
+
+class HfMethod:
+    """transformers' ``generate`` on the target: assisted by the draft model (``hf-assisted-k``
+    with a constant ``K`` draft tokens and no confidence stop; ``hf-assisted`` with the
+    assistant's defaults), by prompt lookup (``hf-pld``), or alone (``hf-target``)."""
+
+    def __init__(self, name: str, engine, config: DecodeConfig) -> None:
+        if name not in HF_METHODS:
+            raise FlyspecError(f"not a transformers method: {name!r}")
+        self.name = name
+        self.target = engine.target_model
+        self.draft = engine.draft_model
+        self.eos_token_ids = frozenset(engine.decoder.eos_token_ids)
+        pad = engine.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
+        self.sampling = config.sampling
+        self.k = config.k
+        self.assistant_config = None
+        self.kwargs: dict = {}
+        if name in ("hf-assisted-k", "hf-assisted"):
+            if self.draft is None:
+                raise FlyspecError(f"method {name} needs a draft model")
+            # transformers reads these from the *assistant's* generation config.
+            self.assistant_config = copy.deepcopy(self.draft.generation_config)
+            if name == "hf-assisted-k":
+                self.assistant_config.num_assistant_tokens = config.k
+                self.assistant_config.num_assistant_tokens_schedule = "constant"
+                self.assistant_config.assistant_confidence_threshold = 0.0
+        elif name == "hf-pld":
+            self.kwargs["prompt_lookup_num_tokens"] = config.k
+        self.settings = self._describe()
+
+    def _describe(self) -> dict:
+        if self.assistant_config is None:
+            return dict(self.kwargs)
+        defaults = self.assistant_config._get_default_generation_params()
+        return {
+            key: getattr(self.assistant_config, key, None)
+            if getattr(self.assistant_config, key, None) is not None
+            else defaults.get(key)
+            for key in (
+                "num_assistant_tokens",
+                "num_assistant_tokens_schedule",
+                "assistant_confidence_threshold",
+            )
+        }
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+        import torch
+
+        device = next(self.target.parameters()).device
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        kwargs = dict(self.kwargs)
+        if self.assistant_config is not None:
+            kwargs["assistant_model"] = self.draft
+        sampling = self.sampling
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kwargs.update(
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k or None,
+                top_p=sampling.top_p,
+            )
+            torch.manual_seed(seed if seed is not None else torch.seed())
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        # transformers warns about its own internal calls of assisted generation.
+        hf_logging.set_verbosity_error()
+        saved = None
+        if self.assistant_config is not None:
+            saved = self.draft.generation_config
+            self.draft.generation_config = copy.deepcopy(self.assistant_config)
+        try:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                output = self.target.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=sorted(self.eos_token_ids),
+                    pad_token_id=self.pad_token_id,
+                    **kwargs,
+                )
+            seconds = time.perf_counter() - started
+        finally:
+            if saved is not None:
+                self.draft.generation_config = saved
+            hf_logging.set_verbosity(verbosity)
+        new_tokens = output[0, input_ids.shape[1] :].tolist()
+        return SampleRun(_cut_at_eos(new_tokens, self.eos_token_ids), seconds)
+
+
+def make_method(name: str, engine, config: DecodeConfig) -> Method:
+    if name in FLYSPEC_METHODS:
+        return FlyspecMethod(name, engine, config)
+    if name in HF_METHODS:
+        return HfMethod(name, engine, config)
+    raise FlyspecError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")

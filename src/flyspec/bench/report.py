@@ -1,0 +1,328 @@
+"""Benchmark figures, and their JSON, Markdown and plots.
+
+Conventions (Spec-Bench): the speedup of a method is the ratio of its *mean per-sample*
+tokens/second to the target's; tau is the pooled number of tokens emitted per round (all
+rounds of all samples); acceptance rates are pooled over all drafted tokens. The acceptance at
+draft position i is the probability that position i is kept (exactly or loosely) given that it
+was drafted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from flyspec.stats import RoundStats
+
+SPEEDUP_PLOT = "speedup.png"
+ROUNDS_PLOT = "tokens-per-round.png"
+POSITION_PLOT = "acceptance-by-position.png"
+
+
+def mean_speedup(
+    method_tokens_per_second: Sequence[float], target_tokens_per_second: Sequence[float]
+) -> float:
+    """Mean per-sample tokens/s of a method over that of the target (nan without a baseline)."""
+    if not method_tokens_per_second or not target_tokens_per_second:
+        return math.nan
+    baseline = statistics.fmean(target_tokens_per_second)
+    if baseline <= 0:
+        return math.nan
+    return statistics.fmean(method_tokens_per_second) / baseline
+
+
+def per_position_acceptance(rounds: Iterable[RoundStats], k: int) -> list[float | None]:
+    """For i = 0 .. k-1: kept-at-i / drafted-at-i over all rounds (None where nothing was
+    drafted). A round that drafted d tokens and kept a of them (exactly or loosely) kept
+    positions 0 .. a-1 and rejected a .. d-1."""
+    drafted = [0] * k
+    kept = [0] * k
+    for round_stats in rounds:
+        kept_here = round_stats.accepted + round_stats.loosely_accepted
+        for position in range(min(round_stats.drafted, k)):
+            drafted[position] += 1
+            if position < kept_here:
+                kept[position] += 1
+    return [kept[i] / drafted[i] if drafted[i] else None for i in range(k)]
+
+
+def tokens_per_round_histogram(rounds: Iterable[RoundStats], k: int) -> list[int]:
+    """``counts[n]`` = rounds that emitted n tokens, n = 0 .. k+1 (0: EOS right away)."""
+    counts = [0] * (k + 2)
+    for round_stats in rounds:
+        counts[min(round_stats.emitted, k + 1)] += 1
+    return counts
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """Index of the first token where two outputs differ (None when equal)."""
+    for index, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+def summarise_method(
+    name: str,
+    samples: Sequence[dict],
+    rounds: Sequence[RoundStats] | None,
+    target_tokens_per_second: Sequence[float],
+    *,
+    k: int,
+    settings: Mapping,
+) -> dict:
+    """Figures of one method from its per-sample records (see :func:`sample_record`) and, for
+    flyspec's methods, all its rounds."""
+    tokens_per_second = [s["tokens_per_second"] for s in samples]
+    new_tokens = sum(s["new_tokens"] for s in samples)
+    seconds = sum(s["seconds"] for s in samples)
+    summary: dict = {
+        "method": name,
+        "kind": "hf" if name.startswith("hf-") else "flyspec",
+        "settings": dict(settings),
+        "samples": len(samples),
+        "new_tokens": new_tokens,
+        "seconds": _round(seconds),
+        "tokens_per_second": _round(statistics.fmean(tokens_per_second) if samples else None),
+        "tokens_per_second_pooled": _round(_ratio(new_tokens, seconds)),
+        "speedup": _round(mean_speedup(tokens_per_second, target_tokens_per_second)),
+        "identical_to_target": sum(1 for s in samples if s["identical_to_target"]),
+    }
+    if rounds is None:
+        return summary
+    stats = [s["stats"] for s in samples]
+    drafted = sum(st["drafted"] for st in stats)
+    accepted = sum(st["accepted"] for st in stats)
+    loose = sum(st["loosely_accepted"] for st in stats)
+    num_rounds = len(rounds)
+    summary.update(
+        rounds=num_rounds,
+        tau=_round(_ratio(sum(r.emitted for r in rounds), num_rounds)),
+        drafted=drafted,
+        accepted=accepted,
+        loosely_accepted=loose,
+        acceptance_rate=_round(_ratio(accepted, drafted)),
+        loose_acceptance_rate=_round(_ratio(loose, drafted)),
+        draft_seconds=_round(sum(st["draft_seconds"] for st in stats)),
+        verify_seconds=_round(sum(st["verify_seconds"] for st in stats)),
+        prefill_seconds=_round(sum(st["prefill_seconds"] for st in stats)),
+        per_position_acceptance=[_round(p) for p in per_position_acceptance(rounds, k)],
+        tokens_per_round_histogram=tokens_per_round_histogram(rounds, k),
+    )
+    return summary
+
+
+def sample_record(
+    prompt_id: str,
+    prompt_tokens: int,
+    token_ids: Sequence[int],
+    seconds: float,
+    target_token_ids: Sequence[int],
+    *,
+    stats: dict | None = None,
+    text: str | None = None,
+) -> dict:
+    divergence = first_divergence(token_ids, target_token_ids)
+    return {
+        "prompt_id": prompt_id,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": len(token_ids),
+        "seconds": round(seconds, 4),
+        "tokens_per_second": round(len(token_ids) / seconds, 4) if seconds > 0 else 0.0,
+        "identical_to_target": divergence is None,
+        "first_divergence": divergence,
+        "stats": stats,
+        "token_ids": list(token_ids),
+        "text": text,
+    }
+
+
+def environment() -> dict:
+    """Versions, threads, CPU model and math settings, for the record."""
+    import torch
+    import transformers
+
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "MKL_CBWR": os.environ.get("MKL_CBWR"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+    }
+
+
+def _cell(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown_table(summaries: Sequence[Mapping]) -> str:
+    """One row per method: speed, speedup, tau, acceptance, time split, identical outputs."""
+    lines = [
+        "| method | tok/s | speedup | tau | accepted | loosely | drafting s | verifying s "
+        "| = target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    s["method"],
+                    _cell(s["tokens_per_second"], ".2f"),
+                    _cell(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
+                    _cell(s.get("tau"), ".2f"),
+                    _cell(s.get("acceptance_rate"), ".1%"),
+                    _cell(s.get("loose_acceptance_rate"), ".1%"),
+                    _cell(s.get("draft_seconds"), ".1f"),
+                    _cell(s.get("verify_seconds"), ".1f"),
+                    f"{s['identical_to_target']}/{s['samples']}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_report(report: Mapping) -> str:
+    config = report["config"]
+    env = report["environment"]
+    lines = [
+        f"# flyspec bench: {config['dataset']}",
+        "",
+        f"{config['prompts']} prompts, max {config['max_new_tokens']} new tokens, "
+        f"K={config['k']}, W={config['window']}, theta={config['theta']}, "
+        f"T={config['temperature']}, chat={config['chat']}; target {config['target']}, "
+        f"draft {config['draft']}; {env['torch_threads']} torch threads, "
+        f"MKL_CBWR={env['MKL_CBWR']}, {env['cpu_model']}, {env['date']}.",
+        "",
+        markdown_table(report["methods"]),
+        "",
+        "Speedup: mean per-sample tokens/s over the target's. tau: tokens per round. "
+        "accepted / loosely: exact and loose acceptances per drafted token. "
+        "= target: outputs identical to the target's, token for token. "
+        "transformers' methods (hf-*) report speed only.",
+    ]
+    per_position = [s for s in report["methods"] if s.get("drafted")]
+    if per_position:
+        k = len(per_position[0]["per_position_acceptance"])
+        lines += [
+            "",
+            "Acceptance by draft position (kept / drafted):",
+            "",
+            "| method | " + " | ".join(str(i) for i in range(k)) + " |",
+            "|---|" + "---:|" * k,
+        ]
+        for s in per_position:
+            lines.append(
+                f"| {s['method']} | "
+                + " | ".join(_cell(p, ".2f") for p in s["per_position_acceptance"])
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: Mapping, folder: Path) -> list[str]:
+    """Speedup bars, tokens-per-round histograms and acceptance by position, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summaries = report["methods"]
+    written = []
+
+    figure, axes = plt.subplots(figsize=(1.0 + 0.9 * len(summaries), 3.6))
+    names = [s["method"] for s in summaries]
+    values = [s["speedup"] if s["speedup"] is not None else 0.0 for s in summaries]
+    colours = ["tab:gray" if s["kind"] == "hf" else "tab:blue" for s in summaries]
+    bars = axes.bar(names, values, color=colours)
+    axes.bar_label(bars, labels=[f"{v:.2f}x" for v in values], fontsize=8)
+    axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes.set_ylabel("speedup over target")
+    axes.set_title(f"{report['config']['dataset']}: speedup (mean tokens/s ratio)")
+    axes.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    figure.savefig(folder / SPEEDUP_PLOT, dpi=120)
+    plt.close(figure)
+    written.append(SPEEDUP_PLOT)
+
+    speculative = [s for s in summaries if s.get("tokens_per_round_histogram") and s["drafted"]]
+    if speculative:
+        figure, axes = plt.subplots(figsize=(7, 3.6))
+        width = 0.8 / len(speculative)
+        for index, s in enumerate(speculative):
+            counts = s["tokens_per_round_histogram"]
+            total = sum(counts) or 1
+            offset = (index - (len(speculative) - 1) / 2) * width
+            positions = [n + offset for n in range(len(counts))]
+            axes.bar(
+                positions,
+                [c / total for c in counts],
+                width=width,
+                label=f"{s['method']} (tau {s['tau']:.2f})",
+            )
+        axes.set_xticks(range(0, len(counts), 1 if len(counts) <= 18 else 2))
+        axes.set_xlabel("tokens emitted in a round")
+        axes.set_ylabel("share of rounds")
+        axes.set_title("tokens per round (tau histogram)")
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(folder / ROUNDS_PLOT, dpi=120)
+        plt.close(figure)
+        written.append(ROUNDS_PLOT)
+
+        figure, axes = plt.subplots(figsize=(7, 3.6))
+        for s in speculative:
+            rates = s["per_position_acceptance"]
+            points = [(i, p) for i, p in enumerate(rates) if p is not None]
+            axes.plot([i for i, _ in points], [p for _, p in points], marker="o", label=s["method"])
+        axes.set_xlabel("draft position")
+        axes.set_ylabel("P(kept | drafted)")
+        axes.set_ylim(0, 1.02)
+        axes.set_title("acceptance by draft position")
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(folder / POSITION_PLOT, dpi=120)
+        plt.close(figure)
+        written.append(POSITION_PLOT)
+    return written
+
+
+def write_report(report: dict, folder: Path) -> list[str]:
+    """bench.json, bench.md and the plots into ``folder``; returns the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(report, folder)
+    report["files"] = ["bench.json", "bench.md", *plots]
+    (folder / "bench.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    (folder / "bench.md").write_text(markdown_report(report))
+    return report["files"]

@@ -1,0 +1,289 @@
+"""``flyspec bench`` on a tiny random pair, and its arithmetic on hand-made numbers."""
+
+import json
+import math
+
+import pytest
+
+from flyspec.bench import run_benchmark
+from flyspec.bench.forward_cost import format_forward_cost, measure_forward_cost
+from flyspec.bench.methods import ALL_METHODS, DEFAULT_METHODS, parse_methods
+from flyspec.bench.prompts import BenchPrompt, build_prompt, encode_prompt, read_prompts_file
+from flyspec.bench.report import (
+    first_divergence,
+    markdown_table,
+    mean_speedup,
+    per_position_acceptance,
+    tokens_per_round_histogram,
+)
+from flyspec.cli import main
+from flyspec.config import DecodeConfig
+from flyspec.errors import FlyspecError
+from flyspec.stats import RoundStats
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def round_stats(drafted, accepted, loosely=0, emitted=None):
+    if emitted is None:
+        emitted = accepted + loosely + 1
+    return RoundStats(drafted, accepted, loosely, emitted, 0.0, 0.0)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_speedup_is_the_ratio_of_mean_per_sample_speeds():
+    # Means 6 and 3 tok/s: 2x, not the ratio of pooled speeds nor the mean of ratios.
+    assert mean_speedup([4.0, 8.0], [2.0, 4.0]) == pytest.approx(2.0)
+    assert mean_speedup([3.0, 9.0], [4.0, 2.0]) == pytest.approx(6.0 / 3.0)
+    assert mean_speedup([1.0], [3.0]) == pytest.approx(1 / 3)
+
+
+def test_speedup_without_a_baseline_is_nan():
+    assert math.isnan(mean_speedup([1.0], []))
+    assert math.isnan(mean_speedup([1.0], [0.0]))
+
+
+def test_per_position_acceptance_counts_kept_over_drafted():
+    rounds = [
+        round_stats(4, 4),  # all kept
+        round_stats(4, 1),  # kept 0, rejected 1..3
+        round_stats(4, 1, loosely=1),  # kept 0 (exact) and 1 (loose), rejected 2..3
+        round_stats(2, 0),  # a short block: rejected at 0
+    ]
+    rates = per_position_acceptance(rounds, k=5)
+    assert rates == [pytest.approx(3 / 4), pytest.approx(2 / 4), 1 / 3, 1 / 3, None]
+
+
+def test_per_position_acceptance_of_an_empty_draft_is_undefined():
+    assert per_position_acceptance([round_stats(0, 0)], k=2) == [None, None]
+
+
+def test_tokens_per_round_histogram():
+    rounds = [round_stats(3, 3), round_stats(3, 0), round_stats(3, 1), round_stats(3, 1, emitted=0)]
+    assert tokens_per_round_histogram(rounds, k=3) == [1, 1, 1, 0, 1]
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_parse_methods_validates_and_adds_the_baseline():
+    assert parse_methods("fly, spd") == ["target", "fly", "spd"]
+    assert parse_methods(",".join(DEFAULT_METHODS)) == list(DEFAULT_METHODS)
+    with pytest.raises(FlyspecError, match="unknown method.*eagle"):
+        parse_methods("fly,eagle")
+    with pytest.raises(FlyspecError, match="twice"):
+        parse_methods("fly,fly")
+    with pytest.raises(FlyspecError, match="empty"):
+        parse_methods(" , ")
+
+
+def test_prompts_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "def f"}\n\n{"id": "b", "prompt": "x", "chat": false}\n')
+    prompts = read_prompts_file(path, limit=None, chat=True)
+    assert prompts == [
+        BenchPrompt("p/0", messages=({"role": "user", "content": "def f"},)),
+        BenchPrompt("b", raw="x"),
+    ]
+    assert len(read_prompts_file(path, limit=1, chat=True)) == 1
+    path.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(FlyspecError, match="non-empty"):
+        read_prompts_file(path, limit=None, chat=True)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_pair):
+    from flyspec.engine import Engine
+
+    draft, target = tiny_pair
+    return Engine.load(target=str(target), draft=str(draft))
+
+
+PROMPTS = [
+    BenchPrompt.from_text("a", "def fibonacci(n):\n    if n < 2:\n        return n\n", chat=False),
+    BenchPrompt.from_text("b", "for i in range(10): print(i)", chat=True),
+]
+
+
+def test_run_benchmark_all_methods(tiny_engine):
+    config = DecodeConfig(k=4, max_new_tokens=12)
+    report = run_benchmark(tiny_engine, PROMPTS, ALL_METHODS, config, progress=False)
+    summaries = {s["method"]: s for s in report["methods"]}
+    assert list(summaries) == list(ALL_METHODS)
+    for name, summary in summaries.items():
+        assert summary["samples"] == 2
+        assert summary["tokens_per_second"] > 0, name
+        assert summary["speedup"] > 0, name
+        assert len(report["samples"][name]) == 2
+    assert summaries["target"]["speedup"] == pytest.approx(1.0)
+    # Lossless methods reproduce the target token for token.
+    for name in ("spd", "ngram"):
+        assert summaries[name]["identical_to_target"] == 2, name
+    fly = summaries["fly"]
+    assert len(fly["per_position_acceptance"]) == 4
+    assert sum(fly["tokens_per_round_histogram"]) == fly["rounds"]
+    assert fly["drafted"] == fly["accepted"] + fly["loosely_accepted"] + sum(
+        s["stats"]["rejected"] for s in report["samples"]["fly"]
+    )
+    assert "tau" not in summaries["hf-assisted-k"]
+    assert summaries["hf-assisted-k"]["settings"]["num_assistant_tokens"] == 4
+    assert summaries["hf-assisted-k"]["settings"]["assistant_confidence_threshold"] == 0
+    # The draft's own generation config is left as it was.
+    assert tiny_engine.draft_model.generation_config.num_assistant_tokens is None
+    for records in report["samples"].values():
+        for record in records:
+            assert record["new_tokens"] <= 12
+    json.dumps(report)  # serialisable
+    assert "| fly |" in markdown_table(report["methods"])
+
+
+def test_bench_command_end_to_end(tiny_pair, tmp_path, capsys):
+    draft, target = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"id": p.id, "prompt": p.raw or p.messages[0]["content"], "chat": p.chat})
+            for p in PROMPTS
+        )
+    )
+    output = tmp_path / "out"
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts-file",
+            str(prompts),
+            "-k",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--output",
+            str(output),
+            "--json",
+            "--no-progress",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    written = json.loads((output / "bench.json").read_text())
+    assert written["config"]["k"] == report["config"]["k"] == 3
+    assert [s["method"] for s in written["methods"]] == list(DEFAULT_METHODS)
+    assert {"python", "torch", "transformers", "cpu_model", "torch_threads", "date"} <= set(
+        written["environment"]
+    )
+    assert written["config"]["kernels"]["linear"] == "onednn"
+    assert written["config"]["kernels"]["draft_quant"] == "int8"
+    summaries = {s["method"]: s for s in written["methods"]}
+    for name in ("spd", "ngram"):  # still lossless on packed / quantised models
+        assert summaries[name]["identical_to_target"] == 2, name
+    table = (output / "bench.md").read_text()
+    for name in DEFAULT_METHODS:
+        assert f"| {name} |" in table
+    for plot in ("speedup.png", "tokens-per-round.png", "acceptance-by-position.png"):
+        assert (output / plot).read_bytes().startswith(PNG_MAGIC), plot
+
+
+def test_bench_rejects_unknown_methods(tiny_pair, capsys):
+    code = main(["bench", "--methods", "fly,medusa", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown method(s) medusa" in err and "Traceback" not in err
+
+
+def test_forward_cost_on_a_tiny_model(tiny_engine):
+    costs = measure_forward_cost(
+        tiny_engine.target_model, max_new_tokens=3, context_tokens=8, repeats=2, warmup=1
+    )
+    assert [c.new_tokens for c in costs] == [1, 2, 3]
+    assert costs[0].ratio == 1.0
+    assert all(c.median_ms > 0 for c in costs)
+    table = format_forward_cost({"target": costs})
+    assert table.count("\n") == 4
+
+
+def test_forward_cost_command(tiny_pair, tmp_path, capsys):
+    draft, target = tiny_pair
+    code = main(
+        [
+            "bench",
+            "--forward-cost",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "-k",
+            "2",
+            "--context-tokens",
+            "5",
+            "--repeats",
+            "1",
+            "--output",
+            str(tmp_path),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    written = json.loads((tmp_path / "forward-cost.json").read_text())
+    assert [row["new_tokens"] for row in written["forward_cost"]["target"]] == [1, 2, 3]
+    assert "| 3 |" in captured.out
+
+
+def test_packed_linear_layers_keep_the_logits():
+    import torch
+
+    from flyspec.kernels import onednn_linear_available, pack_linear_layers
+    from tests.tiny import make_tiny_model
+
+    if not onednn_linear_available():
+        pytest.skip("torch has no oneDNN linear ops here")
+    model = make_tiny_model(vocab_size=96, seed=4)
+    tokens = torch.tensor([[5, 9, 14, 3, 40, 41, 7]])
+    with torch.inference_mode():
+        expected = model(input_ids=tokens).logits
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert pack_linear_layers(model) == linears
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        assert torch.allclose(model(input_ids=tokens).logits, expected, atol=1e-4)
+        assert pack_linear_layers(model) == 0  # nothing left to pack
+
+
+def test_apply_cpu_kernels_rejects_unknown_choices(tiny_engine):
+    from flyspec.kernels import apply_cpu_kernels
+
+    with pytest.raises(FlyspecError, match="draft_quant must be one of"):
+        apply_cpu_kernels(tiny_engine, draft_quant="int4")
+
+
+def test_dataset_prompts_follow_the_eval_tasks():
+    from flyspec.datasets import HumanEvalProblem, MtBenchQuestion
+    from flyspec.evaluation.tasks import make_task
+
+    problem = HumanEvalProblem("HumanEval/0", "def f(x):\n", "f", "", "")
+    prompt = build_prompt(problem, chat=True)
+    expected = make_task("humaneval").prompt(problem, chat=True)
+    assert prompt.messages == tuple(expected.messages)
+    assert prompt.reply_prefix == expected.reply_prefix
+    assert prompt.id == "HumanEval/0"
+    assert build_prompt(problem, chat=False).raw == "def f(x):\n"
+    question = MtBenchQuestion(81, "writing", ("Write a haiku.", "Now in French."))
+    assert build_prompt(question, chat=True).messages[0]["content"] == "Write a haiku."
+
+
+def test_encode_prompt_opens_the_reply(tiny_engine):
+    prompt = BenchPrompt("x", messages=({"role": "user", "content": "hi"},), reply_prefix="def")
+    ids = encode_prompt(tiny_engine, prompt)
+    text = tiny_engine.tokenizer.decode(ids)
+    assert text.replace("\n", "").endswith("<|im_start|>assistantdef")
+    assert encode_prompt(tiny_engine, BenchPrompt("y", raw="for")) == tiny_engine.encode("for")
