@@ -229,7 +229,9 @@ def _generator(
 
 
 def _output_vocab_size(model: torch.nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Rows of the output layer; ``out_features`` also covers packed and quantised layers."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def _resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:
