@@ -24,9 +24,12 @@ def cpu_has_avx2() -> bool:
 def configure_cpu_math() -> None:
     """Pin MKL to its AVX2 code path on AVX2 CPUs unless the user chose one.
 
-    Measured on this project's 2-core AMD EPYC machine: a 16-token forward of the 1.5B target
-    costs 2.1x a 1-token forward with ``MKL_CBWR=AVX2`` instead of 3.3x by default, which is
-    what makes verifying a whole draft block cheap (DESIGN.md section 6).
+    DESIGN.md section 6 recorded a 16-token forward of the 1.5B target at 2.1x a 1-token forward
+    with ``MKL_CBWR=AVX2`` against 3.3x by default. Remeasured in this project's first session
+    (``flyspec bench --forward-cost --linear default --draft-quant none``, 2 threads): 508 ms
+    with AVX2, 479 ms with AUTO, 594 ms unset, so the gain is small here; and with the default
+    oneDNN-packed Linear layers (:mod:`flyspec.kernels`) MKL no longer runs them at all. Kept
+    because it never measured slower than unset.
     """
     if "MKL_CBWR" not in os.environ and cpu_has_avx2():
         os.environ["MKL_CBWR"] = "AVX2"
