@@ -193,9 +193,9 @@ class _Server:
             raise _generation_failed(job)
         if job.outcome == "cancelled":
             raise _shutting_down()
-        build = protocol.chat_body if chat else protocol.completion_body
         return JSONResponse(
-            build(
+            protocol.response_body(
+                chat=chat,
                 request_id=response_id,
                 created=created,
                 model=self.model_name,

@@ -255,8 +255,9 @@ def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> d
     return result
 
 
-def completion_body(
+def response_body(
     *,
+    chat: bool,
     request_id: str,
     created: int,
     model: str,
@@ -265,42 +266,19 @@ def completion_body(
     usage_: dict[str, int],
     speculative_: dict[str, Any],
 ) -> dict[str, Any]:
-    """A finished ``text_completion``."""
+    """A finished ``chat.completion`` (``chat``) or ``text_completion``."""
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=None, finish_reason=finish_reason)
     return {
         "id": request_id,
-        "object": "text_completion",
+        "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-        "speculative": speculative_,
-    }
-
-
-def chat_body(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: FinishReason,
-    usage_: dict[str, int],
-    speculative_: dict[str, Any],
-) -> dict[str, Any]:
-    """A finished ``chat.completion``."""
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": [choice],
         "usage": usage_,
         "speculative": speculative_,
     }
