@@ -12,14 +12,13 @@ from flyspec.bench.prompts import BenchPrompt, build_prompt, encode_prompt, read
 from flyspec.bench.report import (
     first_divergence,
     markdown_table,
-    mean_speedup,
     per_position_acceptance,
     tokens_per_round_histogram,
 )
 from flyspec.cli import main
 from flyspec.config import DecodeConfig
 from flyspec.errors import FlyspecError
-from flyspec.stats import RoundStats
+from flyspec.stats import RoundStats, mean_speedup
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

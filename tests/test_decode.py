@@ -125,6 +125,7 @@ def test_eos_inside_a_block_ends_the_request_before_it(target):
     assert stats.rounds[-1].ended_by_eos
     # tau counts the end-of-sequence token the last round committed.
     assert stats.tau == pytest.approx((stop_at + 1) / stats.num_rounds)
+    assert stats.as_dict()["committed"] == stop_at + 1
 
 
 def test_statistics_add_up(target, draft):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -104,6 +107,7 @@ class RequestStats:
             "loosely_accepted": self.loosely_accepted,
             "rejected": self.rejected,
             "emitted": self.emitted,
+            "committed": sum(r.committed for r in self.rounds),
             "tau": round(self.tau, 4),
             "seconds": round(self.seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
@@ -123,3 +127,16 @@ class RequestStats:
             f"rejected {self.rejected}; drafting {self.draft_seconds:.2f}s, "
             f"verifying {self.verify_seconds:.2f}s, prefill {self.prefill_seconds:.2f}s"
         )
+
+
+def mean_speedup(
+    method_tokens_per_second: Sequence[float], target_tokens_per_second: Sequence[float]
+) -> float:
+    """Mean per-sample tokens/s of a method over that of the target (nan without a baseline):
+    the Spec-Bench convention, shared by ``flyspec bench`` and ``flyspec eval``."""
+    if not method_tokens_per_second or not target_tokens_per_second:
+        return math.nan
+    baseline = statistics.fmean(target_tokens_per_second)
+    if baseline <= 0:
+        return math.nan
+    return statistics.fmean(method_tokens_per_second) / baseline

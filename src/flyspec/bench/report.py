@@ -19,23 +19,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flyspec.stats import RoundStats
+from flyspec.stats import RoundStats, mean_speedup
 
 SPEEDUP_PLOT = "speedup.png"
 ROUNDS_PLOT = "tokens-per-round.png"
 POSITION_PLOT = "acceptance-by-position.png"
-
-
-def mean_speedup(
-    method_tokens_per_second: Sequence[float], target_tokens_per_second: Sequence[float]
-) -> float:
-    """Mean per-sample tokens/s of a method over that of the target (nan without a baseline)."""
-    if not method_tokens_per_second or not target_tokens_per_second:
-        return math.nan
-    baseline = statistics.fmean(target_tokens_per_second)
-    if baseline <= 0:
-        return math.nan
-    return statistics.fmean(method_tokens_per_second) / baseline
 
 
 def per_position_acceptance(rounds: Iterable[RoundStats], k: int) -> list[float | None]:
@@ -112,7 +100,7 @@ def summarise_method(
     num_rounds = len(rounds)
     summary.update(
         rounds=num_rounds,
-        tau=_round(_ratio(sum(r.emitted for r in rounds), num_rounds)),
+        tau=_round(_ratio(sum(r.committed for r in rounds), num_rounds)),
         drafted=drafted,
         accepted=accepted,
         loosely_accepted=loose,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flyspec.evaluation.runner import Method, Sample
+from flyspec.stats import mean_speedup
 
 Z_95 = 1.959963984540054
 BOOTSTRAP_RESAMPLES = 2000
@@ -93,6 +94,9 @@ def _method_summary(method: Method, rows: dict[str, Sample], target: dict[str, S
     correct = sum(s.outcome.correct for s in rows.values())
     low, high = wilson_interval(correct, n)
     emitted = sum(int(s.stats.get("emitted", 0)) for s in rows.values())
+    # tau as RequestStats defines it (an ending EOS counts); entries cached before the
+    # "committed" figure existed fall back to the emitted tokens.
+    committed = sum(int(s.stats.get("committed", s.stats.get("emitted", 0))) for s in rows.values())
     rounds = sum(int(s.stats.get("rounds", 0)) for s in rows.values())
     mean_tps = _mean([s.tokens_per_second for s in rows.values()])
     summary: dict = {
@@ -105,7 +109,7 @@ def _method_summary(method: Method, rows: dict[str, Sample], target: dict[str, S
         "mean_tokens_per_second": mean_tps,
         "mean_seconds": _mean([float(s.stats.get("seconds", 0.0)) for s in rows.values()]),
         "time_speedup": None,
-        "tau": emitted / rounds if rounds else None,
+        "tau": committed / rounds if rounds else None,
         "accepted": sum(int(s.stats.get("accepted", 0)) for s in rows.values()),
         "loosely_accepted": sum(int(s.stats.get("loosely_accepted", 0)) for s in rows.values()),
         "cached": sum(s.cached for s in rows.values()),
@@ -125,10 +129,11 @@ def _method_summary(method: Method, rows: dict[str, Sample], target: dict[str, S
         summary["recovery_percent"] = 100.0 * (sum(method_correct) / len(shared)) / target_score
         interval = paired_bootstrap_recovery(target_correct, method_correct)
         summary["recovery_ci95"] = list(interval) if interval else None
-    target_tps = _mean([target[pid].tokens_per_second for pid in shared])
-    if target_tps and mean_tps is not None:
-        method_tps = _mean([rows[pid].tokens_per_second for pid in shared])
-        summary["speedup"] = method_tps / target_tps if method_tps is not None else None
+    speedup = mean_speedup(
+        [rows[pid].tokens_per_second for pid in shared],
+        [target[pid].tokens_per_second for pid in shared],
+    )
+    summary["speedup"] = None if math.isnan(speedup) else speedup
     target_seconds = _mean([float(target[pid].stats.get("seconds", 0.0)) for pid in shared])
     method_seconds = _mean([float(rows[pid].stats.get("seconds", 0.0)) for pid in shared])
     if target_seconds and method_seconds:
