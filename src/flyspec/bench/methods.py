@@ -72,10 +72,6 @@ class SampleRun:
     seconds: float
     stats: RequestStats | None = None
 
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
-
 
 class Method(Protocol):
     name: str
