@@ -43,6 +43,8 @@ def assert_one_line_error(code, err, fragment):
         (["generate", "x", "--temperature", "-1"], "temperature must be"),
         (["generate", "x", "--max-new-tokens", "0"], "max_new_tokens must be"),
         (["generate", "x", "--drafter", "mla", "--draft-temperature", "1"], "mla drafter"),
+        (["generate", "x", "--draft-confidence", "1"], "draft_confidence must be"),
+        (["generate", "x", "--draft-confidence", "nan"], "draft_confidence must be"),
     ],
 )
 def test_bad_settings_give_one_line_errors(capsys, arguments, fragment):

@@ -240,3 +240,38 @@ def test_mla_without_any_ngram_takes_plain_steps(draft):
         block.tokens.tolist() == ModelDrafter(CachedLM(draft)).propose(context, 1).tokens.tolist()
     )
     assert mla_drafter.proposed == 0
+
+
+def draft_probabilities(model, context, block):
+    """The draft model's probability (temperature 1) of each token of ``block``."""
+    sequence = torch.tensor([list(context) + list(block)])
+    with torch.inference_mode():
+        logits = model(input_ids=sequence).logits[0, len(context) - 1 : -1]
+    return torch.softmax(logits, dim=-1).gather(-1, torch.tensor(block)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("drafter_class", [ModelDrafter, MlaDrafter])
+def test_draft_confidence_ends_the_block_after_the_first_unsure_token(draft, drafter_class):
+    base = reference_greedy(draft, [4, 8, 15], 20)
+    context = [4, 8, 15] + base + [4, 8, 15] + base[:5]  # repeats: MLA has proposals
+    plain = ModelDrafter(CachedLM(draft)).propose(context, 15).tokens.tolist()
+    probability = draft_probabilities(draft, context, plain)
+    least_sure = int(probability.argmin())
+    assert least_sure < 14  # the cut is visible
+    # Just above the lowest probability: that token is the first below the threshold.
+    threshold = float(probability.min()) * (1 + 1e-6)
+    assert (probability[:least_sure] >= threshold).all()
+    block = drafter_class(CachedLM(draft), min_confidence=threshold).propose(context, 15)
+    assert block.tokens.tolist() == plain[: least_sure + 1]
+
+
+def test_spd_with_draft_confidence_is_still_the_targets_greedy_output(target, draft):
+    decoder = SpeculativeDecoder(target, draft)
+    for drafter in ("model", "mla"):
+        config = DecodeConfig(
+            mode="spd", drafter=drafter, k=6, max_new_tokens=30, draft_confidence=0.02
+        )
+        stats = RequestStats()
+        for prompt in PROMPTS:
+            assert run(decoder, prompt, config, stats) == target_greedy(target, prompt, 30)
+        assert min(r.drafted for r in stats.rounds) < 6  # some blocks did end early

@@ -395,7 +395,7 @@ def test_eval_end_to_end_on_tiny_models_with_cache(
 
 def test_cache_entries_are_atomic_json(tmp_path):
     from flyspec.config import DecodeConfig, FlyConfig
-    from flyspec.evaluation.cache import GenerationCache, generation_key
+    from flyspec.evaluation.cache import GenerationCache, decoding_identity, generation_key
 
     common = {"task_version": "v", "prompt_ids": [1, 2], "target": {"p": 1}, "draft": {"p": 2}}
     common.update(dtype="float32", device="cpu")
@@ -409,6 +409,12 @@ def test_cache_entries_are_atomic_json(tmp_path):
     assert target == generation_key(
         config=DecodeConfig(mode="target", k=3, fly=FlyConfig(window=0)),
         **{**common, "draft": {"p": 3}},
+    )
+    # a new setting at its default leaves the keys made before it existed unchanged
+    assert "draft_confidence" not in decoding_identity(DecodeConfig(mode="fly"))
+    assert fly != generation_key(config=DecodeConfig(mode="fly", draft_confidence=0.4), **common)
+    assert target == generation_key(
+        config=DecodeConfig(mode="target", draft_confidence=0.4), **common
     )
     cache = GenerationCache(tmp_path)
     assert cache.get(fly) is None

@@ -177,6 +177,13 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="sample the draft model at this temperature (default 0: greedy)",
     )
+    parser.add_argument(
+        "--draft-confidence",
+        type=_float,
+        default=0.0,
+        help="end a draft block after a token the draft model gave a probability below this "
+        "(default 0: always draft k tokens)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument(
         "--max-new-tokens", type=int, default=cfg.DEFAULT_MAX_NEW_TOKENS, help="default 128"
@@ -198,6 +205,7 @@ def decode_config_from_args(args: argparse.Namespace) -> cfg.DecodeConfig:
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
         ),
         draft_temperature=args.draft_temperature,
+        draft_confidence=args.draft_confidence,
         stop=tuple(args.stop),
     )
 

@@ -108,6 +108,9 @@ class DecodeConfig:
     ``mode``: ``target`` (target alone, the baseline), ``spd`` (exact speculative decoding) or
     ``fly`` (exact matches plus loosely accepted mismatches). ``drafter``: ``model`` (the draft
     model), ``ngram`` (prompt lookup) or ``mla`` (draft model sped up by n-gram proposals).
+    ``draft_confidence``: the draft model ends its block early, after the first token it gave
+    a probability below this value (0, the default, drafts all ``k`` tokens); it saves draft
+    forwards that would likely be rejected, like transformers' assistant confidence threshold.
     """
 
     mode: Mode = "fly"
@@ -117,6 +120,7 @@ class DecodeConfig:
     fly: FlyConfig = field(default_factory=FlyConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     draft_temperature: float = 0.0
+    draft_confidence: float = 0.0
     max_ngram: int = DEFAULT_MAX_NGRAM
     mla_proposals: int = DEFAULT_MLA_PROPOSALS
     stop: tuple[str, ...] = ()
@@ -139,6 +143,10 @@ class DecodeConfig:
             and math.isfinite(self.draft_temperature)
             and self.draft_temperature >= 0,
             f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
+        )
+        _check(
+            isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
+            f"draft_confidence must be in [0, 1) (0 = off), got {self.draft_confidence!r}",
         )
         _check(
             isinstance(self.max_ngram, int) and self.max_ngram >= 1,

@@ -89,9 +89,17 @@ class SpeculativeDecoder:
             )
         if config.drafter == "mla":
             return MlaDrafter(
-                self.draft, proposals=config.mla_proposals, max_ngram=config.max_ngram
+                self.draft,
+                proposals=config.mla_proposals,
+                max_ngram=config.max_ngram,
+                min_confidence=config.draft_confidence,
             )
-        return ModelDrafter(self.draft, temperature=config.draft_temperature, generator=generator)
+        return ModelDrafter(
+            self.draft,
+            temperature=config.draft_temperature,
+            generator=generator,
+            min_confidence=config.draft_confidence,
+        )
 
     def stream(
         self,

@@ -43,6 +43,7 @@ BENCH_DECODE_FLAGS = (
     "top_p",
     "seed",
     "max_new_tokens",
+    "draft_confidence",
 )
 
 
@@ -278,6 +279,7 @@ def run_benchmark(
             "seed": seed,
             "max_ngram": config.max_ngram,
             "mla_proposals": config.mla_proposals,
+            "draft_confidence": config.draft_confidence,
             "target": engine.target_name,
             "draft": engine.draft_name,
             "warmup": warmup,

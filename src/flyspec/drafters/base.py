@@ -33,3 +33,20 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget per-request state (caches) before a new request."""
         ...
+
+
+def first_unconfident(
+    logits: torch.Tensor, tokens: torch.Tensor, min_confidence: float
+) -> int | None:
+    """Index of the first of ``tokens`` ``long[n]`` to which the draft model gave a probability
+    below ``min_confidence`` (its softmax over ``logits`` ``[n, V]``, at temperature 1), or
+    None when there is none or the check is off (``min_confidence == 0``).
+
+    A drafter ends its block after that token: the tokens it would draft next are likely to be
+    rejected, so their forwards are saved.
+    """
+    if min_confidence <= 0:
+        return None
+    probability = torch.softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+    unconfident = (probability < min_confidence).nonzero()
+    return int(unconfident[0, 0]) if unconfident.numel() else None

@@ -3,7 +3,8 @@
 Each draft-model forward scores up to ``proposals`` n-gram tokens at once; the draft keeps the
 leading ones that equal its own greedy choice plus one token of its own. The block is therefore
 the draft model's plain greedy block; MLA changes how many forwards it costs, not what it says.
-Where no n-gram matches, the step is an ordinary one-token draft step.
+Where no n-gram matches, the step is an ordinary one-token draft step. With a confidence
+threshold the block ends where the plain drafter's would.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
-from flyspec.drafters.base import Draft
+from flyspec.drafters.base import Draft, first_unconfident
 from flyspec.drafters.ngram import find_ngram_continuation
 from flyspec.models.cache import CachedLM
 
@@ -27,10 +28,12 @@ class MlaDrafter:
         *,
         proposals: int = DEFAULT_MLA_PROPOSALS,
         max_ngram: int = DEFAULT_MAX_NGRAM,
+        min_confidence: float = 0.0,
     ) -> None:
         self.lm = lm
         self.proposals = proposals
         self.max_ngram = max_ngram
+        self.min_confidence = min_confidence
         self.proposed = 0  # n-gram tokens offered to the draft model (this request)
         self.kept = 0  # of those, the ones equal to its greedy choice
 
@@ -41,13 +44,20 @@ class MlaDrafter:
             # Room for the proposal plus the draft model's own token.
             room = min(self.proposals, k - len(tokens) - 1)
             proposal = find_ngram_continuation(sequence, k=room, max_ngram=self.max_ngram)
-            greedy = self.lm.logits(sequence + proposal, len(proposal) + 1).argmax(dim=-1)
+            logits = self.lm.logits(sequence + proposal, len(proposal) + 1)  # [P+1, V]
+            greedy = logits.argmax(dim=-1)
             matches = 0
             while matches < len(proposal) and proposal[matches] == int(greedy[matches]):
                 matches += 1
             step = proposal[:matches] + [int(greedy[matches])]
             self.proposed += len(proposal)
             self.kept += matches
+            unsure_at = first_unconfident(
+                logits[: len(step)], greedy[: len(step)], self.min_confidence
+            )
+            if unsure_at is not None:
+                tokens.extend(step[: unsure_at + 1])
+                break
             tokens.extend(step)
             sequence.extend(step)
         return Draft(tokens=torch.tensor(tokens[:k], dtype=torch.long))

@@ -7,14 +7,15 @@ from collections.abc import Sequence
 import torch
 
 from flyspec.config import SamplingConfig
-from flyspec.drafters.base import Draft
+from flyspec.drafters.base import Draft, first_unconfident
 from flyspec.models.cache import CachedLM
 from flyspec.verify import sampling_probs
 
 
 class ModelDrafter:
     """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
-    the block carries the distributions it was sampled from, for lossless verification)."""
+    the block carries the distributions it was sampled from, for lossless verification).
+    With ``min_confidence > 0`` the block ends after the first token the model was unsure of."""
 
     def __init__(
         self,
@@ -22,10 +23,12 @@ class ModelDrafter:
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         self.lm = lm
         self.sampling = SamplingConfig(temperature=temperature)
         self.generator = generator
+        self.min_confidence = min_confidence
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sequence = list(context)
@@ -41,6 +44,9 @@ class ModelDrafter:
                 probs.append(step_probs)
             tokens.append(token)
             sequence.append(token)
+            chosen = torch.tensor([token], device=logits.device)
+            if first_unconfident(logits[None], chosen, self.min_confidence) is not None:
+                break
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
             probs=torch.stack(probs) if probs else None,

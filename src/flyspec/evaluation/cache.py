@@ -71,9 +71,12 @@ def decoding_identity(config: DecodeConfig) -> dict:
     """The decoding settings that can change the generated text."""
     settings = dataclasses.asdict(config)
     settings.pop("max_new_tokens")
+    if config.draft_confidence == 0:
+        settings.pop("draft_confidence")  # keys made before the setting existed stay valid
     if config.mode == "target":
         for name in ("drafter", "k", "fly", "draft_temperature", "max_ngram", "mla_proposals"):
             settings.pop(name)
+        settings.pop("draft_confidence", None)
     elif config.loosening is None:
         settings.pop("fly")
     settings["stop"] = list(config.stop)
