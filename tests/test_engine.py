@@ -5,6 +5,7 @@ import pytest
 from flyspec.config import DecodeConfig
 from flyspec.engine import Engine, StopTextDecoder
 from flyspec.errors import FlyspecError
+from flyspec.stats import RequestStats
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 
 
@@ -88,3 +89,31 @@ def test_prompt_plus_budget_past_the_context_is_refused(engine):
     too_many = engine.context_length  # the tiny models hold 1024 positions
     with pytest.raises(FlyspecError, match="exceeds the model's context"):
         engine.generate("def f", DecodeConfig(max_new_tokens=too_many))
+
+
+def test_a_requested_stop_ends_the_request_and_releases_held_back_text(engine):
+    full = engine.generate("def f", DecodeConfig(mode="spd", k=4, max_new_tokens=30))
+    first_three = engine.tokenizer.decode(full.token_ids[:3])
+    assert first_three and "\ufffd" not in first_three
+    # A stop string that begins with the text's last character and never completes: that
+    # character is held back until the request ends.
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=30, stop=(first_three[-1] + "\x00",))
+    chunks = list(engine.stream(engine.encode("def f"), config, should_stop=lambda: True))
+    assert [c.token for c in chunks if c.token is not None] == full.token_ids[:1]
+    first = engine.tokenizer.decode(full.token_ids[:1])
+    assert "".join(c.text for c in chunks) == first
+
+    calls = []
+    stats = RequestStats()
+    chunks = list(
+        engine.stream(
+            engine.encode("def f"),
+            config,
+            stats=stats,
+            should_stop=lambda: calls.append(1) or len(calls) >= 3,
+        )
+    )
+    assert [c.token for c in chunks if c.token is not None] == full.token_ids[:3]
+    assert "".join(c.text for c in chunks) == first_three
+    assert chunks[-1].token is None and chunks[-1].text == first_three[-1]
+    assert stats.finish_reason == "cancelled" and stats.emitted == 3

@@ -202,7 +202,7 @@ class ScriptedEngine:
         self.delay = 0.0
         self.fail = False
         self.started = 0
-        self.closed_early = 0
+        self.stopped_early = 0
         self.tokens = 0
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
@@ -211,7 +211,14 @@ class ScriptedEngine:
     def encode_messages(self, messages) -> list[int]:
         return self.engine.encode_messages(messages)
 
-    def stream(self, prompt_ids, config: DecodeConfig, *, stats: RequestStats | None = None):
+    def stream(
+        self,
+        prompt_ids,
+        config: DecodeConfig,
+        *,
+        stats: RequestStats | None = None,
+        should_stop=None,
+    ):
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
         self.started += 1
@@ -224,9 +231,13 @@ class ScriptedEngine:
                 stats.add_round(RoundStats(2, 1, 0, 1, 0.0, 0.0))
                 self.tokens += 1
                 yield TextChunk(text="a", token=self.token_id, origin="exact")
+                if should_stop is not None and should_stop():
+                    self.stopped_early += 1
+                    stats.finish_reason = "cancelled"
+                    return
             stats.finish_reason = "length"
         except GeneratorExit:
-            self.closed_early += 1
+            self.stopped_early += 1
             raise
 
 
@@ -591,7 +602,7 @@ def test_streaming_client_disconnect_cancels_generation(scripted):
         ),
         "the cancelled generation",
     )
-    assert engine.closed_early == 1
+    assert engine.stopped_early == 1
     assert engine.tokens < 1000
     assert metric(client, "flyspec_requests_total", endpoint="/v1/completions", status="499") >= 1
     assert client.get("/health").json()["queue"] == {"waiting": 0, "running": 0, "size": 1}
@@ -611,7 +622,7 @@ def test_non_streaming_client_disconnect_cancels_generation(scripted):
         ),
         "the cancelled generation",
     )
-    assert engine.closed_early == 1 and engine.tokens < 1000
+    assert engine.stopped_early == 1 and engine.tokens < 1000
 
 
 def test_request_timeout_ends_with_length(tiny_engine):

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -204,9 +204,15 @@ class Engine:
         config: DecodeConfig,
         *,
         stats: RequestStats | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
-        ``config.max_new_tokens``."""
+        ``config.max_new_tokens``.
+
+        ``should_stop`` is asked after each committed token; when it answers True the request
+        ends there (``stats.finish_reason`` "cancelled") and the text held back so far is
+        still released, as at any end. Closing the iterator instead drops that text.
+        """
         if len(prompt_ids) + config.max_new_tokens > self.context_length:
             raise FlyspecError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
@@ -222,7 +228,7 @@ class Engine:
                 last = event
                 piece = text.add(event.token)
                 yield TextChunk(text=piece, token=event.token, origin=event.origin)
-                if text.stopped:
+                if text.stopped or (should_stop is not None and should_stop()):
                     break
         finally:
             events.close()

@@ -8,11 +8,10 @@ A job ends in one of these outcomes:
 
 * ``stop`` / ``length``: the engine finished (EOS or a stop string / ``max_new_tokens``);
 * ``timeout``: its deadline passed, while waiting (no tokens) or while running (the engine
-  is stopped after the next committed token); the response reports ``finish_reason:
-  "length"``, as for any truncated output;
+  is stopped after the next committed token and releases the text it held back); the
+  response reports ``finish_reason: "length"``, as for any truncated output;
 * ``cancelled``: its client went away; a waiting job leaves the line at once, a running one
-  stops after the next committed token (the engine's generator is closed, so nothing after
-  that point is computed);
+  stops after the next committed token (nothing after that point is computed);
 * ``error``: the engine raised.
 """
 
@@ -235,7 +234,11 @@ class GenerationQueue:
         """Run on the engine thread: iterate the engine, hand text to the loop, obey stops."""
         if job._should_stop():
             return job.stop_requested or "cancelled", None
-        stream = self.engine.stream(job.prompt_ids, job.config, stats=job.stats)
+        # The engine ends the request after the next committed token once a stop is
+        # requested, and still hands over the text it held back (a stop-string prefix).
+        stream = self.engine.stream(
+            job.prompt_ids, job.config, stats=job.stats, should_stop=job._should_stop
+        )
         try:
             for chunk in stream:
                 if chunk.token is not None:
@@ -245,8 +248,8 @@ class GenerationQueue:
                         loop.call_soon_threadsafe(job._push, chunk.text)
                     except RuntimeError:  # the event loop is gone: the server is stopping
                         return "cancelled", None
-                if job._should_stop():
-                    return job.stop_requested or "cancelled", None
+            if job._should_stop():
+                return job.stop_requested or "cancelled", None
         except Exception as error:
             logger.exception("generation failed")
             return "error", error
