@@ -291,16 +291,17 @@ def plot_tradeoff(path: Path, payload: dict) -> bool:
                     alpha=0.35,
                     capsize=3,
                 )
+        for (speedup, recovery, mode), labels in _label_groups(result["methods"].values()):
             axis.annotate(
-                summary["label"],
+                "\n".join(labels),
                 (speedup, recovery),
                 textcoords="offset points",
-                xytext=(6, -12) if summary["mode"] == "spd" else (6, 5),
+                xytext=(6, -12) if mode == "spd" else (6, 5),
                 fontsize=8,
             )
         axis.axhline(100, color="grey", linewidth=0.8, linestyle="--")
         axis.axvline(1, color="grey", linewidth=0.8, linestyle="--")
-        axis.set_title(f"{task} ({result['problems']} problems)")
+        axis.set_title(f"{task} ({result['problems']} problems; orange: FLy θ, W)")
         axis.set_xlabel("speedup over the target alone (x)")
         axis.set_ylabel("accuracy recovery (% of target score)")
         axis.grid(True, alpha=0.3)
@@ -308,3 +309,22 @@ def plot_tradeoff(path: Path, payload: dict) -> bool:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True
+
+
+def _label_groups(summaries) -> list[tuple[tuple[float, float, str], list[str]]]:
+    """Point labels, one per group of points that nearly coincide (within 0.03x speedup and 1.5
+    points of recovery), so that the labels of settings with the same outcome stay readable.
+    FLy's labels drop their "FLy " prefix: every orange point is a FLy setting."""
+    groups: list[tuple[tuple[float, float, str], list[str]]] = []
+    for summary in summaries:
+        speedup, recovery = summary["speedup"], summary["recovery_percent"]
+        if speedup is None or recovery is None:
+            continue
+        for (x, y, _), labels in groups:
+            if abs(x - speedup) <= 0.03 and abs(y - recovery) <= 1.5:
+                labels.append(summary["label"].removeprefix("FLy "))
+                break
+        else:
+            label = summary["label"].removeprefix("FLy ")
+            groups.append(((speedup, recovery, summary["mode"]), [label]))
+    return groups
