@@ -463,3 +463,25 @@ def test_limit_option_per_task():
     for bad in ("mmlu=3", "humaneval=x", "0"):
         with pytest.raises(FlyspecError):
             _limits(bad)
+
+
+def test_tradeoff_labels_of_coinciding_points_are_merged():
+    from flyspec.evaluation.report import _label_groups
+
+    def point(label, mode, speedup, recovery):
+        return {"label": label, "mode": mode, "speedup": speedup, "recovery_percent": recovery}
+
+    groups = _label_groups(
+        [
+            point("target", "target", 1.0, 100.0),
+            point("FLy θ=1 W=4", "fly", 1.61, 100.0),
+            point("FLy θ=1 W=6", "fly", 1.60, 100.0),
+            point("FLy θ=1 W=0", "fly", 1.61, 97.1),
+            point("FLy θ=0 W=0", "fly", None, None),
+        ]
+    )
+    assert groups == [
+        ((1.0, 100.0, "target"), ["target"]),
+        ((1.61, 100.0, "fly"), ["θ=1 W=4", "θ=1 W=6"]),
+        ((1.61, 97.1, "fly"), ["θ=1 W=0"]),
+    ]

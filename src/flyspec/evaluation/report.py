@@ -320,11 +320,11 @@ def _label_groups(summaries) -> list[tuple[tuple[float, float, str], list[str]]]
         speedup, recovery = summary["speedup"], summary["recovery_percent"]
         if speedup is None or recovery is None:
             continue
+        label = summary["label"].removeprefix("FLy ")
         for (x, y, _), labels in groups:
             if abs(x - speedup) <= 0.03 and abs(y - recovery) <= 1.5:
-                labels.append(summary["label"].removeprefix("FLy "))
+                labels.append(label)
                 break
         else:
-            label = summary["label"].removeprefix("FLy ")
             groups.append(((speedup, recovery, summary["mode"]), [label]))
     return groups
