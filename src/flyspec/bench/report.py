@@ -249,6 +249,12 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
     summaries = report["methods"]
     written = []
 
+    def save(figure, name: str) -> None:
+        figure.tight_layout()
+        figure.savefig(folder / name, dpi=120)
+        plt.close(figure)
+        written.append(name)
+
     figure, axes = plt.subplots(figsize=(1.0 + 0.9 * len(summaries), 3.6))
     names = [s["method"] for s in summaries]
     values = [s["speedup"] if s["speedup"] is not None else 0.0 for s in summaries]
@@ -259,10 +265,7 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
     axes.set_ylabel("speedup over target")
     axes.set_title(f"{report['config']['dataset']}: speedup (mean tokens/s ratio)")
     axes.tick_params(axis="x", rotation=30)
-    figure.tight_layout()
-    figure.savefig(folder / SPEEDUP_PLOT, dpi=120)
-    plt.close(figure)
-    written.append(SPEEDUP_PLOT)
+    save(figure, SPEEDUP_PLOT)
 
     speculative = [s for s in summaries if s.get("tokens_per_round_histogram") and s["drafted"]]
     if speculative:
@@ -284,10 +287,7 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
         axes.set_ylabel("share of rounds")
         axes.set_title("tokens per round (tau histogram)")
         axes.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(folder / ROUNDS_PLOT, dpi=120)
-        plt.close(figure)
-        written.append(ROUNDS_PLOT)
+        save(figure, ROUNDS_PLOT)
 
         figure, axes = plt.subplots(figsize=(7, 3.6))
         for s in speculative:
@@ -299,10 +299,7 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
         axes.set_ylim(0, 1.02)
         axes.set_title("acceptance by draft position")
         axes.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(folder / POSITION_PLOT, dpi=120)
-        plt.close(figure)
-        written.append(POSITION_PLOT)
+        save(figure, POSITION_PLOT)
     return written
 
 
