@@ -5,8 +5,9 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from flyspec.config import DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, SamplingConfig
 from flyspec.decode import SpeculativeDecoder
 from flyspec.drafters import MlaDrafter, ModelDrafter
 from flyspec.models.cache import CachedLM, crop_cache
@@ -199,25 +200,45 @@ def test_speculative_sampling_keeps_the_targets_distribution(target, draft):
     assert total_variation < 0.07
 
 
-def test_cropped_cache_gives_the_logits_of_a_fresh_forward(target):
-    lm = CachedLM(target)
+@pytest.mark.parametrize("forward_path", FORWARD_PATHS)
+def test_cropped_cache_gives_the_logits_of_a_fresh_forward(target, forward_path):
+    lm = CachedLM(target, forward_path=forward_path)
+    assert lm.forward_path == forward_path
     sequence = [3, 9, 27, 17, 51, 25, 11, 33, 5, 15]
     lm.logits(sequence, num_logits=len(sequence))
     # A different continuation after position 6: the cache must drop positions 6..9.
     changed = sequence[:6] + [1, 2]
     cached = lm.logits(changed, num_logits=2)
-    assert lm.cache.get_seq_length() == len(changed)
-    fresh = CachedLM(target).logits(changed, num_logits=2)
+    assert lm.runner.length == len(changed)
+    fresh = CachedLM(target, forward_path=forward_path).logits(changed, num_logits=2)
     torch.testing.assert_close(cached, fresh)
 
 
-def test_crop_cache_refuses_to_grow(target):
-    lm = CachedLM(target)
+@pytest.mark.parametrize("forward_path", FORWARD_PATHS)
+def test_crop_refuses_to_grow(target, forward_path):
+    lm = CachedLM(target, forward_path=forward_path)
     lm.logits([1, 2, 3])
     with pytest.raises(ValueError):
-        crop_cache(lm.cache, 5)
-    crop_cache(lm.cache, 1)
-    assert lm.cache.get_seq_length() == 1
+        lm.runner.crop(5)
+    lm.runner.crop(1)
+    assert lm.runner.length == 1
+
+
+def test_crop_cache_refuses_to_grow(target):
+    cache = DynamicCache()
+    target(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    with pytest.raises(ValueError):
+        crop_cache(cache, 5)
+    crop_cache(cache, 1)
+    assert cache.get_seq_length() == 1
+
+
+@pytest.mark.parametrize("forward_path", FORWARD_PATHS)
+def test_both_forward_paths_are_lossless(target, draft, forward_path):
+    prompt = PROMPTS[0]
+    decoder = SpeculativeDecoder(target, draft, forward_path=forward_path)
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=24)
+    assert run(decoder, prompt, config) == reference_greedy(target, prompt, 24)
 
 
 def test_mla_block_equals_the_draft_models_greedy_block(draft):

@@ -142,6 +142,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="int8 or fp16 weights for the target's Linear layers (default none; int8 makes a "
         "multi-token forward differ from one-token forwards, so spd no longer equals target)",
     )
+    kernels.add_argument(
+        "--forward",
+        default="lean",
+        choices=cfg.FORWARD_PATHS,
+        help="lean: flyspec's own forward with a preallocated KV cache for Llama-family models "
+        "(default; other models fall back to transformers'), or transformers' model(...)",
+    )
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +231,7 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
         with_draft=with_draft,
         device=args.device,
         dtype=getattr(torch, args.dtype),
+        forward_path=args.forward,
     )
     from flyspec.kernels import apply_cpu_kernels
 
@@ -233,7 +241,7 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
     _say(
         f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()}, "
         f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
-        f"target: {kernels['target_quant']})"
+        f"target: {kernels['target_quant']}, forward: {kernels['forward']})"
     )
     return engine
 

@@ -37,6 +37,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")
+FORWARD_PATHS: tuple[str, ...] = ("lean", "transformers")
 
 
 class ConfigError(FlyspecError, ValueError):

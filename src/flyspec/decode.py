@@ -63,7 +63,9 @@ class _BusyClock:
 class SpeculativeDecoder:
     """Runs requests on one target model and an optional draft model (batch size 1).
 
-    ``eos_token_ids``: tokens that end a request; they are not emitted.
+    ``eos_token_ids``: tokens that end a request; they are not emitted. ``forward_path``:
+    ``lean`` (the default, where the architecture allows) or ``transformers``
+    (:func:`flyspec.models.cache.make_forward`).
     """
 
     def __init__(
@@ -72,9 +74,10 @@ class SpeculativeDecoder:
         draft: torch.nn.Module | None = None,
         *,
         eos_token_ids: Collection[int] = (),
+        forward_path: str = "lean",
     ) -> None:
-        self.target = CachedLM(target)
-        self.draft = CachedLM(draft) if draft is not None else None
+        self.target = CachedLM(target, forward_path=forward_path)
+        self.draft = CachedLM(draft, forward_path=forward_path) if draft is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = _output_vocab_size(target)
 

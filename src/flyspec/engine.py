@@ -116,14 +116,25 @@ class Engine:
         draft_model: torch.nn.Module | None = None,
         target_name: str = "target",
         draft_name: str | None = None,
+        forward_path: str = "lean",
     ) -> None:
         self.tokenizer = tokenizer
         self.target_name = target_name
         self.draft_name = draft_name
         self.decoder = SpeculativeDecoder(
-            target_model, draft_model, eos_token_ids=eos_token_ids(tokenizer, target_model)
+            target_model,
+            draft_model,
+            eos_token_ids=eos_token_ids(tokenizer, target_model),
+            forward_path=forward_path,
         )
-        self.kernels: dict = {"linear": "default", "draft_quant": "none", "target_quant": "none"}
+        self.kernels: dict = {
+            "linear": "default",
+            "draft_quant": "none",
+            "target_quant": "none",
+            "forward": self.decoder.target.forward_path,
+        }
+        if self.decoder.draft is not None:
+            self.kernels["draft_forward"] = self.decoder.draft.forward_path
 
     @property
     def target_model(self) -> torch.nn.Module:
@@ -147,6 +158,7 @@ class Engine:
         with_draft: bool = True,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        forward_path: str = "lean",
     ) -> Engine:
         """Load a pair (the embedded default pair where a name is None) and check that the
         two tokenizers agree. ``with_draft=False`` skips the draft (target-only decoding)."""
@@ -177,6 +189,7 @@ class Engine:
             tokenizer=tokenizer,
             target_name=target,
             draft_name=draft if with_draft else None,
+            forward_path=forward_path,
         )
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:

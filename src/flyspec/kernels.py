@@ -141,5 +141,5 @@ def apply_cpu_kernels(
         elif quant == "fp16":
             quantize_fp16(model)
         done[f"{role}_packed_layers"] = pack_linear_layers(model) if linear == "onednn" else 0
-    engine.kernels = done
-    return done
+    engine.kernels = {**engine.kernels, **done}
+    return engine.kernels

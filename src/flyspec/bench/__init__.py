@@ -308,6 +308,7 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
             max_new_tokens=config.k + 1,
             context_tokens=args.context_tokens,
             repeats=args.repeats,
+            forward_path=args.forward,
         )
     table = format_forward_cost(costs)
     report = {

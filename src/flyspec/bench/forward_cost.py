@@ -3,8 +3,8 @@
 Speculative decoding pays off on a CPU only when the target's forward over the last committed
 token plus a K-token draft block costs little more than a one-token forward (DESIGN.md
 section 6). :func:`measure_forward_cost` times exactly that forward, for n = 1 .. K+1, the way
-the decoder calls it (``logits_to_keep = n``), on a cache of ``context_tokens`` positions that is
-cropped back after every timed call.
+the decoder runs it (its forward path, logits for the n positions), on a cache of
+``context_tokens`` positions that is cropped back after every timed call.
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ def measure_forward_cost(
     warmup: int = 2,
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    forward_path: str = "lean",
 ) -> list[ForwardCost]:
     """Time one forward over n = 1 .. ``max_new_tokens`` new tokens after ``context_tokens``.
 
     The repeats are interleaved over n (1, 2, .., N, 1, 2, ..) so that a drifting machine load
     hits every n alike; ``warmup`` untimed rounds over all n come first. Token ids are random
     (the cost does not depend on them). ``clock`` may be ``time.thread_time`` to count CPU time
-    only, which a busy machine disturbs less (with one torch thread).
+    only, which a busy machine disturbs less (with one torch thread). ``forward_path`` is the
+    decoder's (:func:`flyspec.models.cache.make_forward`).
     """
-    from transformers import DynamicCache
-
-    from flyspec.models.cache import crop_cache
+    from flyspec.models.cache import make_forward
 
     if max_new_tokens < 1 or context_tokens < 1 or repeats < 1:
         raise ValueError("max_new_tokens, context_tokens and repeats must be >= 1")
@@ -64,15 +64,15 @@ def measure_forward_cost(
     generator = torch.Generator().manual_seed(seed)
     context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
     extra = torch.randint(vocab_size, (1, max_new_tokens), generator=generator).to(device)
-    cache = DynamicCache()
-    model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+    runner = make_forward(model, forward_path)
+    runner.forward(context, 1)
 
     times: dict[int, list[float]] = {n: [] for n in range(1, max_new_tokens + 1)}
     for repeat in range(warmup + repeats):
         for n in times:
-            crop_cache(cache, context_tokens)
+            runner.crop(context_tokens)
             started = clock()
-            model(input_ids=extra[:, :n], cache=cache, use_cache=True, logits_to_keep=n)
+            runner.forward(extra[:, :n], n)
             elapsed = clock() - started
             if repeat >= warmup:
                 times[n].append(elapsed)

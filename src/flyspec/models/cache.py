@@ -1,4 +1,5 @@
-"""A causal LM paired with its KV cache, and the one place that crops a cache."""
+"""A causal LM paired with its KV cache, the two ways to run its forwards, and the one place
+that crops a transformers cache."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+
+from flyspec.config import FORWARD_PATHS
+from flyspec.models.lean import LeanForward, lean_unsupported_reason
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -33,24 +37,67 @@ def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
     return limit  # pragma: no cover - the slice comparison above returns first
 
 
+class TransformersForward:
+    """Forward passes through ``model(...)`` with a transformers ``DynamicCache``: runs any
+    causal LM (the fallback where :class:`~flyspec.models.lean.LeanForward` cannot)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids,
+            cache=self.cache,  # updated in place
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        return output.logits[0, -num_logits:]
+
+
+def make_forward(model: torch.nn.Module, path: str = "lean") -> TransformersForward | LeanForward:
+    """The forward runner for ``model``: ``lean`` where the architecture allows it (else
+    transformers'), or ``transformers``."""
+    if path not in FORWARD_PATHS:
+        raise ValueError(f"forward path must be one of {', '.join(FORWARD_PATHS)}, got {path!r}")
+    if path == "lean" and lean_unsupported_reason(model) is None:
+        return LeanForward(model)
+    return TransformersForward(model)
+
+
 class CachedLM:
     """A causal LM with a KV cache and a record of the token ids the cache holds.
 
     :meth:`logits` takes the *whole* sequence each time and reuses the longest cached prefix,
     so callers never track cache positions: after a block is verified, the next call with the
-    committed sequence crops away the rejected positions by itself.
+    committed sequence crops away the rejected positions by itself. ``forward_path`` chooses
+    how forwards run (:func:`make_forward`).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, forward_path: str = "lean") -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = DynamicCache()
+        self.runner = make_forward(model, forward_path)
         self.cached_tokens: list[int] = []
         self.forward_calls = 0
 
+    @property
+    def forward_path(self) -> str:
+        return "lean" if isinstance(self.runner, LeanForward) else "transformers"
+
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
-        self.cache = DynamicCache()
+        self.runner.reset()
         self.cached_tokens = []
         self.forward_calls = 0
 
@@ -63,14 +110,9 @@ class CachedLM:
         if not 1 <= num_logits <= len(tokens):
             raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
         reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
-        crop_cache(self.cache, reuse)
+        self.runner.crop(reuse)
         new_tokens = torch.tensor([list(tokens[reuse:])], dtype=torch.long, device=self.device)
-        output = self.model(
-            input_ids=new_tokens,
-            cache=self.cache,  # updated in place
-            use_cache=True,
-            logits_to_keep=num_logits,
-        )
+        logits = self.runner.forward(new_tokens, num_logits)
         self.cached_tokens = list(tokens)
         self.forward_calls += 1
-        return output.logits[0, -num_logits:]
+        return logits

@@ -1,0 +1,104 @@
+"""The lean forward: the same logits as transformers' ``model(...)``, across cache crops and
+buffer growth; models it cannot run fall back to transformers' forward."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flyspec.models.cache import CachedLM, TransformersForward, make_forward
+from flyspec.models.lean import LeanForward, lean_unsupported_reason
+from flyspec.stats import RequestStats
+from tests.tiny import make_tiny_model
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model(vocab_size=VOCAB, seed=3, dtype=torch.float64)
+
+
+def full_forward_logits(model, tokens, num_logits):
+    """Logits of one cache-free forward over the whole sequence: ``[num_logits, V]``."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -num_logits:]
+
+
+def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model):
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (40,), generator=generator).tolist()
+    lean = LeanForward(model)
+    start = 0
+    with torch.inference_mode():
+        for size in (7, 1, 1, 16, 3, 1, 11):  # 40 tokens in blocks, like prefill + rounds
+            block = tokens[start : start + size]
+            logits = lean.forward(torch.tensor([block]), size)
+            start += size
+            torch.testing.assert_close(logits, full_forward_logits(model, tokens[:start], size))
+    assert lean.length == 40
+
+
+def test_a_crop_drops_the_rejected_positions(model):
+    lean = LeanForward(model)
+    with torch.inference_mode():
+        lean.forward(torch.tensor([[5, 9, 2, 33, 8, 1, 4]]), 1)
+        lean.crop(3)  # keep 5 9 2; a different block follows
+        logits = lean.forward(torch.tensor([[60, 61]]), 2)
+    torch.testing.assert_close(logits, full_forward_logits(model, [5, 9, 2, 60, 61], 2))
+    with pytest.raises(ValueError):
+        lean.crop(6)
+
+
+def test_buffers_grow_past_their_first_capacity_and_keep_the_cache(model):
+    tokens = [(7 * i) % VOCAB for i in range(300)]
+    lean = LeanForward(model)
+    with torch.inference_mode():
+        lean.forward(torch.tensor([tokens[:250]]), 1)
+        first_capacity = lean.capacity
+        logits = lean.forward(torch.tensor([tokens[250:]]), 3)
+    assert lean.capacity > first_capacity >= 250
+    torch.testing.assert_close(logits, full_forward_logits(model, tokens, 3))
+
+
+def test_lean_and_transformers_paths_decode_the_same_tokens(model):
+    draft = make_tiny_model(vocab_size=VOCAB, seed=4, dtype=torch.float64)
+    from flyspec.config import DecodeConfig, FlyConfig
+    from flyspec.decode import SpeculativeDecoder
+
+    config = DecodeConfig(mode="fly", k=5, max_new_tokens=30, fly=FlyConfig(theta=0.0, window=2))
+    outputs = {}
+    for path in ("lean", "transformers"):
+        decoder = SpeculativeDecoder(model, draft, forward_path=path)
+        stats = RequestStats()
+        outputs[path] = [
+            event.token for event in decoder.stream([3, 1, 4, 1, 5], config, stats=stats)
+        ]
+    assert outputs["lean"] == outputs["transformers"]
+
+
+def test_other_architectures_fall_back_to_transformers():
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    dynamic_rope = LlamaForCausalLM(config).eval()
+    assert "depends on the sequence length" in lean_unsupported_reason(dynamic_rope)
+    assert isinstance(make_forward(dynamic_rope, "lean"), TransformersForward)
+    assert CachedLM(dynamic_rope).forward_path == "transformers"
+    with pytest.raises(ValueError, match="cannot run this model"):
+        LeanForward(dynamic_rope)
+
+
+def test_training_mode_and_unknown_paths_are_refused(model):
+    model.train()
+    try:
+        assert lean_unsupported_reason(model) == "the model is in training mode"
+    finally:
+        model.eval()
+    with pytest.raises(ValueError, match="forward path must be one of"):
+        make_forward(model, "fast")
