@@ -416,6 +416,20 @@ def test_cache_entries_are_atomic_json(tmp_path):
     assert target == generation_key(
         config=DecodeConfig(mode="target", draft_confidence=0.4), **common
     )
+    # kernels change rounding, so they are part of the key; the draft's only where it drafts
+    kernels = {"forward": "lean", "draft_quant": "int8", "draft_forward": "lean"}
+    fly_lean = generation_key(config=DecodeConfig(mode="fly"), kernels=kernels, **common)
+    assert fly_lean != fly
+    assert fly_lean != generation_key(
+        config=DecodeConfig(mode="fly"), kernels={**kernels, "draft_quant": "none"}, **common
+    )
+    target_lean = generation_key(config=DecodeConfig(mode="target"), kernels=kernels, **common)
+    assert target_lean == generation_key(
+        config=DecodeConfig(mode="target"), kernels={**kernels, "draft_quant": "none"}, **common
+    )
+    assert target_lean != generation_key(
+        config=DecodeConfig(mode="target"), kernels={**kernels, "forward": "x"}, **common
+    )
     cache = GenerationCache(tmp_path)
     assert cache.get(fly) is None
     cache.put(fly, {"text": "hi"})

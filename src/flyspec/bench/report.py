@@ -176,9 +176,9 @@ def _cell(value, fmt: str) -> str:
 def markdown_table(summaries: Sequence[Mapping]) -> str:
     """One row per method: speed, speedup, tau, acceptance, time split, identical outputs."""
     lines = [
-        "| method | tok/s | speedup | tau | accepted | loosely | drafting s | verifying s "
-        "| = target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
+        "| verifying s | = target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         lines.append(
@@ -191,6 +191,7 @@ def markdown_table(summaries: Sequence[Mapping]) -> str:
                     _cell(s.get("tau"), ".2f"),
                     _cell(s.get("acceptance_rate"), ".1%"),
                     _cell(s.get("loose_acceptance_rate"), ".1%"),
+                    _cell(s.get("prefill_seconds"), ".1f"),
                     _cell(s.get("draft_seconds"), ".1f"),
                     _cell(s.get("verify_seconds"), ".1f"),
                     f"{s['identical_to_target']}/{s['samples']}",

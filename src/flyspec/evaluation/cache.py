@@ -114,7 +114,14 @@ def generation_key(
     draft: dict | None,
     dtype: str,
     device: str,
+    kernels: dict | None = None,
 ) -> str:
+    """The cache key of one generation. ``kernels`` (``Engine.kernels``: Linear kernels,
+    quantisation, forward paths) is part of it because those change rounding and so, in
+    near-ties, the text; the draft's entries count only where a draft model is used."""
+    kernels = dict(kernels or {})
+    if not config.uses_draft_model:
+        kernels = {name: value for name, value in kernels.items() if not name.startswith("draft")}
     payload = {
         "format": CACHE_FORMAT,
         "task": task_version,
@@ -122,6 +129,7 @@ def generation_key(
         "draft": draft if config.uses_draft_model else None,
         "dtype": dtype,
         "device": device,
+        "kernels": kernels,
         "prompt_ids": list(prompt_ids),
         "decoding": decoding_identity(config),
     }

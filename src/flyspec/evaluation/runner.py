@@ -121,6 +121,7 @@ class EngineIdentity:
     draft: dict | None
     dtype: str
     device: str
+    kernels: dict
 
     @classmethod
     def of(cls, engine) -> EngineIdentity:
@@ -130,6 +131,7 @@ class EngineIdentity:
             draft=None if engine.draft_name is None else model_identity(str(engine.draft_name)),
             dtype=str(parameter.dtype).removeprefix("torch."),
             device=str(parameter.device),
+            kernels=dict(engine.kernels),
         )
 
 
@@ -175,6 +177,7 @@ def evaluate(
                         draft=identity.draft,
                         dtype=identity.dtype,
                         device=identity.device,
+                        kernels=identity.kernels,
                     )
                     entry = cache.get(key, config)
                     cached = entry is not None

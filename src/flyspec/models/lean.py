@@ -2,12 +2,13 @@
 and none of transformers' per-call machinery (mask builders, cache objects, attention dispatch).
 
 Decoding calls a forward per draft token, so per-call overhead is paid hundreds of times per
-request. Measured on the int8 0.5B draft here (2 threads, ~250 cached positions): a one-token
-forward costs about 55 ms this way against about 64 ms through ``model(...)``, and a 4-token
-forward 65 ms against 88 ms. The arithmetic is the model's own: every projection, norm and MLP
-is called as the model holds it (quantised or packed layers included), rotary tables come from
-the model's rotary module, attention is ``scaled_dot_product_attention`` as in transformers'
-``sdpa`` path, so logits agree with ``model(...)`` to float rounding.
+request. Measured interleaved in one process (2 threads, 250 cached positions): the int8 0.5B
+draft's one-token forward costs 56.8 ms this way against 63.4 ms through ``model(...)``, its
+16-token forward 93.4 against 107.0 ms; the float32 1.5B target's 353.9 against 375.5 ms (one
+token) and 575.9 against 585.8 ms (16). The arithmetic is the model's own: every projection,
+norm and MLP is called as the model holds it (quantised or packed layers included), rotary
+tables come from the model's rotary module, and attention is ``scaled_dot_product_attention``
+as in transformers' ``sdpa`` path, so logits agree with ``model(...)`` to float rounding.
 """
 
 from __future__ import annotations
@@ -124,9 +125,10 @@ class LeanForward:
         def rotate(x: torch.Tensor) -> torch.Tensor:
             return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-        # New token i sees every cached position and the new tokens up to itself.
+        # New token i sees every cached position and the new tokens up to itself. On an empty
+        # cache that is plain causal attention, which has a faster kernel than a mask.
         mask = None
-        if n > 1:
+        if n > 1 and start > 0:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
@@ -141,6 +143,7 @@ class LeanForward:
                 self.keys[index][:, :, :end],
                 self.values[index][:, :, :end],
                 attn_mask=mask,
+                is_causal=n > 1 and start == 0,
                 scale=attention.scaling,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )  # [1, heads, n, head_dim]
