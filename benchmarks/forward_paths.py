@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 from flyspec.runtime import configure_cpu_math
 
@@ -30,16 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--context and every --new-tokens value must be >= 1")
 
     configure_cpu_math()
-    import torch
-
     from flyspec import cli
-    from flyspec.models.cache import make_forward
+    from flyspec.bench.forward_cost import time_forwards
 
     engine = cli.load_engine(cli.build_parser().parse_args(["generate", "x"]), with_draft=True)
-    generator = torch.Generator().manual_seed(0)
-    vocab = int(engine.target_model.get_input_embeddings().weight.shape[0])
-    context = torch.randint(vocab, (1, args.context), generator=generator)
-    new = torch.randint(vocab, (1, max(sizes)), generator=generator)
     print("| model | n | lean ms | transformers ms | lean / transformers |")
     print("|---|---:|---:|---:|---:|")
     models = (
@@ -47,22 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         ("target", engine.target_model, args.target_repeats),
     )
     for role, model, repeats in models:
-        runners = {path: make_forward(model, path) for path in ("lean", "transformers")}
-        times: dict[tuple[str, int], list[float]] = {(p, n): [] for p in runners for n in sizes}
-        with torch.inference_mode():
-            for runner in runners.values():
-                runner.forward(context, 1)
-            for repeat in range(repeats + 2):  # two untimed warm-up rounds
-                for n in sizes:
-                    for path, runner in runners.items():
-                        runner.crop(args.context)
-                        started = time.perf_counter()
-                        runner.forward(new[:, :n], n)
-                        if repeat >= 2:
-                            times[(path, n)].append(time.perf_counter() - started)
+        times = time_forwards(
+            model,
+            new_tokens=sizes,
+            forward_paths=("lean", "transformers"),
+            context_tokens=args.context,
+            repeats=repeats,
+        )
         for n in sizes:
-            lean = 1000 * statistics.median(times[("lean", n)])
-            plain = 1000 * statistics.median(times[("transformers", n)])
+            lean = 1000 * statistics.median(times["lean"][n])
+            plain = 1000 * statistics.median(times["transformers"][n])
             print(f"| {role} | {n} | {lean:.1f} | {plain:.1f} | {lean / plain:.2f} |", flush=True)
     return 0
 

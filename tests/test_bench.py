@@ -6,7 +6,7 @@ import math
 import pytest
 
 from flyspec.bench import run_benchmark
-from flyspec.bench.forward_cost import format_forward_cost, measure_forward_cost
+from flyspec.bench.forward_cost import format_forward_cost, measure_forward_cost, time_forwards
 from flyspec.bench.methods import ALL_METHODS, DEFAULT_METHODS, parse_methods
 from flyspec.bench.prompts import BenchPrompt, build_prompt, encode_prompt, read_prompts_file
 from flyspec.bench.report import (
@@ -210,6 +210,23 @@ def test_forward_cost_on_a_tiny_model(tiny_engine):
     assert all(c.median_ms > 0 for c in costs)
     table = format_forward_cost({"target": costs})
     assert table.count("\n") == 4
+
+
+def test_time_forwards_times_every_path_and_size(tiny_engine):
+    times = time_forwards(
+        tiny_engine.target_model,
+        new_tokens=[1, 4],
+        forward_paths=("lean", "transformers"),
+        context_tokens=8,
+        repeats=3,
+        warmup=1,
+    )
+    assert set(times) == {"lean", "transformers"}
+    for per_size in times.values():
+        assert set(per_size) == {1, 4}
+        assert all(len(samples) == 3 and min(samples) > 0 for samples in per_size.values())
+    with pytest.raises(ValueError):
+        time_forwards(tiny_engine.target_model, new_tokens=[0])
 
 
 def test_forward_cost_command(tiny_pair, tmp_path, capsys):

@@ -5,9 +5,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig
+from flyspec.decode import SpeculativeDecoder
 from flyspec.models.cache import CachedLM, TransformersForward, make_forward
 from flyspec.models.lean import LeanForward, lean_unsupported_reason
-from flyspec.stats import RequestStats
 from tests.tiny import make_tiny_model
 
 VOCAB = 64
@@ -62,17 +63,11 @@ def test_buffers_grow_past_their_first_capacity_and_keep_the_cache(model):
 
 def test_lean_and_transformers_paths_decode_the_same_tokens(model):
     draft = make_tiny_model(vocab_size=VOCAB, seed=4, dtype=torch.float64)
-    from flyspec.config import DecodeConfig, FlyConfig
-    from flyspec.decode import SpeculativeDecoder
-
     config = DecodeConfig(mode="fly", k=5, max_new_tokens=30, fly=FlyConfig(theta=0.0, window=2))
     outputs = {}
-    for path in ("lean", "transformers"):
+    for path in FORWARD_PATHS:
         decoder = SpeculativeDecoder(model, draft, forward_path=path)
-        stats = RequestStats()
-        outputs[path] = [
-            event.token for event in decoder.stream([3, 1, 4, 1, 5], config, stats=stats)
-        ]
+        outputs[path] = [event.token for event in decoder.stream([3, 1, 4, 1, 5], config)]
     assert outputs["lean"] == outputs["transformers"]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,51 @@ class ForwardCost:
 
 
 @torch.inference_mode()
+def time_forwards(
+    model: torch.nn.Module,
+    *,
+    new_tokens: Sequence[int],
+    forward_paths: Sequence[str] = ("lean",),
+    context_tokens: int = 200,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each timed forward over n new tokens after ``context_tokens`` cached ones,
+    per forward path (:func:`flyspec.models.cache.make_forward`) and n: ``{path: {n: [s]}}``.
+
+    The calls are interleaved over n and paths (n1 path1, n1 path2, n2 path1, ..., then again)
+    so that a drifting machine load hits all alike; ``warmup`` untimed rounds come first. Each
+    path has its own cache, cropped back to ``context_tokens`` before every call. Token ids are
+    random (the cost does not depend on them).
+    """
+    from flyspec.models.cache import make_forward
+
+    if not new_tokens or min(new_tokens) < 1 or context_tokens < 1 or repeats < 1:
+        raise ValueError("new_tokens, context_tokens and repeats must be >= 1")
+    vocab_size = int(model.get_input_embeddings().weight.shape[0])
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
+    extra = torch.randint(vocab_size, (1, max(new_tokens)), generator=generator).to(device)
+    runners = {path: make_forward(model, path) for path in forward_paths}
+    for runner in runners.values():
+        runner.forward(context, 1)
+
+    times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in new_tokens} for p in runners}
+    for repeat in range(warmup + repeats):
+        for n in new_tokens:
+            for path, runner in runners.items():
+                runner.crop(context_tokens)
+                started = clock()
+                runner.forward(extra[:, :n], n)
+                elapsed = clock() - started
+                if repeat >= warmup:
+                    times[path][n].append(elapsed)
+    return times
+
+
 def measure_forward_cost(
     model: torch.nn.Module,
     *,
@@ -47,35 +92,24 @@ def measure_forward_cost(
     clock: Callable[[], float] = time.perf_counter,
     forward_path: str = "lean",
 ) -> list[ForwardCost]:
-    """Time one forward over n = 1 .. ``max_new_tokens`` new tokens after ``context_tokens``.
+    """Time one forward over n = 1 .. ``max_new_tokens`` new tokens after ``context_tokens``
+    (:func:`time_forwards`, interleaved over n) with the decoder's ``forward_path``.
 
-    The repeats are interleaved over n (1, 2, .., N, 1, 2, ..) so that a drifting machine load
-    hits every n alike; ``warmup`` untimed rounds over all n come first. Token ids are random
-    (the cost does not depend on them). ``clock`` may be ``time.thread_time`` to count CPU time
-    only, which a busy machine disturbs less (with one torch thread). ``forward_path`` is the
-    decoder's (:func:`flyspec.models.cache.make_forward`).
+    ``clock`` may be ``time.thread_time`` to count CPU time only, which a busy machine disturbs
+    less (with one torch thread).
     """
-    from flyspec.models.cache import make_forward
-
-    if max_new_tokens < 1 or context_tokens < 1 or repeats < 1:
-        raise ValueError("max_new_tokens, context_tokens and repeats must be >= 1")
-    vocab_size = int(model.get_input_embeddings().weight.shape[0])
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
-    extra = torch.randint(vocab_size, (1, max_new_tokens), generator=generator).to(device)
-    runner = make_forward(model, forward_path)
-    runner.forward(context, 1)
-
-    times: dict[int, list[float]] = {n: [] for n in range(1, max_new_tokens + 1)}
-    for repeat in range(warmup + repeats):
-        for n in times:
-            runner.crop(context_tokens)
-            started = clock()
-            runner.forward(extra[:, :n], n)
-            elapsed = clock() - started
-            if repeat >= warmup:
-                times[n].append(elapsed)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    times = time_forwards(
+        model,
+        new_tokens=range(1, max_new_tokens + 1),
+        forward_paths=(forward_path,),
+        context_tokens=context_tokens,
+        repeats=repeats,
+        warmup=warmup,
+        seed=seed,
+        clock=clock,
+    )[forward_path]
     base = statistics.median(times[1])
     return [
         ForwardCost(

@@ -3,9 +3,10 @@ and none of transformers' per-call machinery (mask builders, cache objects, atte
 
 Decoding calls a forward per draft token, so per-call overhead is paid hundreds of times per
 request. Measured interleaved in one process (``benchmarks/forward_paths.py``, 2 threads, 250
-cached positions): the int8 0.5B draft's one-token forward costs 50.3 ms this way against 54.8
-ms through ``model(...)``, its 16-token forward 81.6 against 94.9 ms; the float32 1.5B target's
-forwards are level (their time is in the matrix products).
+cached positions): the int8 0.5B draft's one-token forward costs 60.4 ms this way against 66.4
+ms through ``model(...)``, its 16-token forward 101.9 against 119.8 ms; the float32 1.5B
+target's forwards are about level (0.96-1.01x over three runs: their time is in the matrix
+products).
 
 The arithmetic is the model's own: every projection, norm and MLP is called as the model holds
 it (quantised or packed layers included), rotary tables come from the model's rotary module,
