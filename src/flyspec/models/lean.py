@@ -9,7 +9,8 @@ target's forwards are about level (0.96-1.01x over three runs: their time is in 
 products).
 
 The arithmetic is the model's own: every projection, norm and MLP is called as the model holds
-it (quantised or packed layers included), rotary tables come from the model's rotary module,
+it (quantised or packed layers included; q, k and v through their bit-identical merged copy
+where the kernels made one), rotary tables come from the model's rotary module,
 and attention is ``scaled_dot_product_attention`` as in transformers' ``sdpa`` path, so logits
 agree with ``model(...)`` to float rounding.
 """
@@ -113,6 +114,22 @@ class LeanForward:
         self.cos, self.sin = cos[0], sin[0]
         self.capacity = capacity
 
+    def _project_qkv(
+        self, attention: torch.nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[1, heads, n, head_dim]``, keys and values ``[1, kv_heads, n, head_dim]``
+        of ``x`` ``[1, n, D]``, through the merged projection where the kernels made one
+        (:func:`flyspec.kernels.fuse_int8_projections`)."""
+        n = x.shape[1]
+        fused = getattr(attention, "fused_qkv_proj", None)
+        if fused is None:
+            projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
+        else:
+            kv_width = self.num_kv_heads * self.head_dim
+            widths = (self.num_heads * self.head_dim, kv_width, kv_width)
+            projected = fused(x).split(widths, dim=-1)
+        return tuple(p.view(1, n, -1, self.head_dim).transpose(1, 2) for p in projected)
+
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
         which continue the ``length`` cached positions."""
@@ -136,9 +153,7 @@ class LeanForward:
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attention.q_proj(x).view(1, n, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attention.k_proj(x).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = attention.v_proj(x).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = self._project_qkv(attention, x)
             self.keys[index][:, :, start:end] = rotate(k)
             self.values[index][:, :, start:end] = v
             attended = F.scaled_dot_product_attention(
