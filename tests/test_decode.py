@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, SamplingConfig
 from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import MlaDrafter, ModelDrafter
+from flyspec.drafters import MlaDrafter, ModelDrafter, NgramDrafter
 from flyspec.models.cache import CachedLM, crop_cache
 from flyspec.stats import RequestStats
 from flyspec.verify import sampling_probs
@@ -127,6 +127,8 @@ def test_eos_inside_a_block_ends_the_request_before_it(target):
     # tau counts the end-of-sequence token the last round committed.
     assert stats.tau == pytest.approx((stop_at + 1) / stats.num_rounds)
     assert stats.as_dict()["committed"] == stop_at + 1
+    # The draft ends its block at the end token: nothing past it is drafted or verified.
+    assert stats.drafted <= stop_at + 1
 
 
 def test_statistics_add_up(target, draft):
@@ -261,6 +263,22 @@ def test_mla_without_any_ngram_takes_plain_steps(draft):
         block.tokens.tolist() == ModelDrafter(CachedLM(draft)).propose(context, 1).tokens.tolist()
     )
     assert mla_drafter.proposed == 0
+
+
+@pytest.mark.parametrize("drafter_class", [ModelDrafter, MlaDrafter])
+def test_a_draft_block_ends_at_an_end_token(draft, drafter_class):
+    base = reference_greedy(draft, [4, 8, 15], 20)
+    context = [4, 8, 15] + base + [4, 8, 15] + base[:5]  # repeats: MLA has proposals
+    plain = ModelDrafter(CachedLM(draft)).propose(context, 15).tokens.tolist()
+    end_at = next(i for i in range(2, 14) if plain[i] not in plain[:i])
+    drafter = drafter_class(CachedLM(draft), end_tokens={plain[end_at]})
+    assert drafter.propose(context, 15).tokens.tolist() == plain[: end_at + 1]
+
+
+def test_an_ngram_block_ends_at_an_end_token():
+    context = [1, 2, 3, 9, 4, 5, 6, 1, 2, 3]
+    assert NgramDrafter().propose(context, 5).tokens.tolist() == [9, 4, 5, 6, 1]
+    assert NgramDrafter(end_tokens={4}).propose(context, 5).tokens.tolist() == [9, 4]
 
 
 def draft_probabilities(model, context, block):

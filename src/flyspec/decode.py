@@ -85,7 +85,7 @@ class SpeculativeDecoder:
         if config.mode == "target":
             return None
         if config.drafter == "ngram":
-            return NgramDrafter(max_ngram=config.max_ngram)
+            return NgramDrafter(max_ngram=config.max_ngram, end_tokens=self.eos_token_ids)
         if self.draft is None:
             raise FlyspecError(
                 f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model"
@@ -96,12 +96,14 @@ class SpeculativeDecoder:
                 proposals=config.mla_proposals,
                 max_ngram=config.max_ngram,
                 min_confidence=config.draft_confidence,
+                end_tokens=self.eos_token_ids,
             )
         return ModelDrafter(
             self.draft,
             temperature=config.draft_temperature,
             generator=generator,
             min_confidence=config.draft_confidence,
+            end_tokens=self.eos_token_ids,
         )
 
     def stream(

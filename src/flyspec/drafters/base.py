@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,3 +50,15 @@ def first_unconfident(
     probability = torch.softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
     unconfident = (probability < min_confidence).nonzero()
     return int(unconfident[0, 0]) if unconfident.numel() else None
+
+
+def end_index(tokens: Sequence[int], end_tokens: Collection[int]) -> int | None:
+    """Index of the first of ``tokens`` that ends a request (EOS), or None.
+
+    Drafters end their block there: nothing after an end token can be emitted, so drafting
+    (and verifying) past it is wasted work.
+    """
+    for index, token in enumerate(tokens):
+        if token in end_tokens:
+            return index
+    return None

@@ -3,18 +3,18 @@
 Each draft-model forward scores up to ``proposals`` n-gram tokens at once; the draft keeps the
 leading ones that equal its own greedy choice plus one token of its own. The block is therefore
 the draft model's plain greedy block; MLA changes how many forwards it costs, not what it says.
-Where no n-gram matches, the step is an ordinary one-token draft step. With a confidence
-threshold the block ends where the plain drafter's would.
+Where no n-gram matches, the step is an ordinary one-token draft step. The block ends after
+an end token, and with a confidence threshold where the plain drafter's would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
-from flyspec.drafters.base import Draft, first_unconfident
+from flyspec.drafters.base import Draft, end_index, first_unconfident
 from flyspec.drafters.ngram import find_ngram_continuation
 from flyspec.models.cache import CachedLM
 
@@ -29,8 +29,10 @@ class MlaDrafter:
         proposals: int = DEFAULT_MLA_PROPOSALS,
         max_ngram: int = DEFAULT_MAX_NGRAM,
         min_confidence: float = 0.0,
+        end_tokens: Collection[int] = (),
     ) -> None:
         self.lm = lm
+        self.end_tokens = frozenset(end_tokens)
         self.proposals = proposals
         self.max_ngram = max_ngram
         self.min_confidence = min_confidence
@@ -55,8 +57,10 @@ class MlaDrafter:
             unsure_at = first_unconfident(
                 logits[: len(step)], greedy[: len(step)], self.min_confidence
             )
-            if unsure_at is not None:
-                tokens.extend(step[: unsure_at + 1])
+            ends_at = end_index(step, self.end_tokens)
+            cut = min((i for i in (unsure_at, ends_at) if i is not None), default=None)
+            if cut is not None:
+                tokens.extend(step[: cut + 1])
                 break
             tokens.extend(step)
             sequence.extend(step)

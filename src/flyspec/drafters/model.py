@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -15,7 +15,8 @@ from flyspec.verify import sampling_probs
 class ModelDrafter:
     """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
     the block carries the distributions it was sampled from, for lossless verification).
-    With ``min_confidence > 0`` the block ends after the first token the model was unsure of."""
+    The block ends after an ``end_tokens`` token (EOS), and with ``min_confidence > 0`` after
+    the first token the model was unsure of."""
 
     def __init__(
         self,
@@ -24,8 +25,10 @@ class ModelDrafter:
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         min_confidence: float = 0.0,
+        end_tokens: Collection[int] = (),
     ) -> None:
         self.lm = lm
+        self.end_tokens = frozenset(end_tokens)
         self.sampling = SamplingConfig(temperature=temperature)
         self.generator = generator
         self.min_confidence = min_confidence
@@ -44,6 +47,8 @@ class ModelDrafter:
                 probs.append(step_probs)
             tokens.append(token)
             sequence.append(token)
+            if token in self.end_tokens:
+                break
             chosen = torch.tensor([token], device=logits.device)
             if first_unconfident(logits[None], chosen, self.min_confidence) is not None:
                 break

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.drafters.base import Draft
+from flyspec.drafters.base import Draft, end_index
 
 
 def find_ngram_continuation(
@@ -38,13 +38,20 @@ def find_ngram_continuation(
 
 
 class NgramDrafter:
-    """Parameter-free drafting from the context itself (no model)."""
+    """Parameter-free drafting from the context itself (no model); the block ends after an
+    ``end_tokens`` token (EOS)."""
 
-    def __init__(self, *, max_ngram: int = DEFAULT_MAX_NGRAM) -> None:
+    def __init__(
+        self, *, max_ngram: int = DEFAULT_MAX_NGRAM, end_tokens: Collection[int] = ()
+    ) -> None:
         self.max_ngram = max_ngram
+        self.end_tokens = frozenset(end_tokens)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         continuation = find_ngram_continuation(context, k=k, max_ngram=self.max_ngram)
+        ends_at = end_index(continuation, self.end_tokens)
+        if ends_at is not None:
+            continuation = continuation[: ends_at + 1]
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
 
     def reset(self) -> None:

@@ -77,8 +77,12 @@ def decoding_identity(config: DecodeConfig) -> dict:
         for name in ("drafter", "k", "fly", "draft_temperature", "max_ngram", "mla_proposals"):
             settings.pop(name)
         settings.pop("draft_confidence", None)
-    elif config.loosening is None:
-        settings.pop("fly")
+    else:
+        if config.loosening is None:
+            settings.pop("fly")
+        # 2: a draft block ends at its first end-of-sequence token, which changes where
+        # FLy's window fits near the end of an answer (generations made before miss once).
+        settings["block_rule"] = 2
     settings["stop"] = list(config.stop)
     return settings
 
