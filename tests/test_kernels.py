@@ -45,7 +45,7 @@ def test_int8_with_merged_projections_keeps_both_forward_paths_bit_identical():
     reference = quantize_separately(copy.deepcopy(model))
     quantize_int8(model)
     assert all(isinstance(layer.mlp, GatedMLP) for layer in model.model.layers)
-    assert all(hasattr(layer.self_attn, "fused_qkv_proj") for layer in model.model.layers)
+    assert all(hasattr(layer.self_attn, "merged_qkv_proj") for layer in model.model.layers)
 
     tokens = torch.tensor([[5, 9, 14, 3, 40, 41, 7, 60, 2]])
     with torch.inference_mode():
@@ -63,4 +63,4 @@ def test_only_float_linear_layers_are_merged():
     model = quantize_separately(make_tiny_model(vocab_size=VOCAB, seed=5))
     assert merge_int8_projections(model) == 0
     assert not any(isinstance(layer.mlp, GatedMLP) for layer in model.model.layers)
-    assert not hasattr(model.model.layers[0].self_attn, "fused_qkv_proj")
+    assert not hasattr(model.model.layers[0].self_attn, "merged_qkv_proj")

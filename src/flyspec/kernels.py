@@ -160,7 +160,7 @@ def merge_int8_projections(model: torch.nn.Module) -> int:
     of layers changed.
 
     The MLP's gate and up become one layer (:class:`GatedMLP` replaces the MLP, so
-    ``model(...)`` uses it too); q, k and v get a merged copy, ``self_attn.fused_qkv_proj``,
+    ``model(...)`` uses it too); q, k and v get a merged copy, ``self_attn.merged_qkv_proj``,
     which :class:`~flyspec.models.lean.LeanForward` calls instead of the three (transformers'
     attention keeps calling the originals, quantised afterwards with the same bits).
     """
@@ -171,7 +171,7 @@ def merge_int8_projections(model: torch.nn.Module) -> int:
         projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         merged_here = False
         if all(type(p) is torch.nn.Linear for p in projections):
-            attention.fused_qkv_proj = merged_int8_linear(projections)
+            attention.merged_qkv_proj = merged_int8_linear(projections)
             merged_here = True
         parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
         if type(mlp).__name__ in _GATED_MLP_TYPES and all(

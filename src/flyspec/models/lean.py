@@ -119,15 +119,15 @@ class LeanForward:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[1, heads, n, head_dim]``, keys and values ``[1, kv_heads, n, head_dim]``
         of ``x`` ``[1, n, D]``, through the merged projection where the kernels made one
-        (:func:`flyspec.kernels.fuse_int8_projections`)."""
+        (:func:`flyspec.kernels.merge_int8_projections`)."""
         n = x.shape[1]
-        fused = getattr(attention, "fused_qkv_proj", None)
-        if fused is None:
+        merged = getattr(attention, "merged_qkv_proj", None)
+        if merged is None:
             projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
         else:
             kv_width = self.num_kv_heads * self.head_dim
             widths = (self.num_heads * self.head_dim, kv_width, kv_width)
-            projected = fused(x).split(widths, dim=-1)
+            projected = merged(x).split(widths, dim=-1)
         return tuple(p.view(1, n, -1, self.head_dim).transpose(1, 2) for p in projected)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
