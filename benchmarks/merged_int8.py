@@ -4,7 +4,7 @@ Loads the default draft twice, quantises one copy with ``torch.ao.quantization.q
 (each Linear on its own) and the other with ``flyspec.kernels.quantize_int8`` (q/k/v and
 gate/up merged), checks that both give the same logits bit for bit, then times one lean forward
 over ``n`` new tokens on a cache of ``--context`` random tokens, alternating the two call by
-call, and prints the medians::
+call (``flyspec.bench.forward_cost.time_runners``), and prints the medians::
 
     .venv/bin/python benchmarks/merged_int8.py --repeats 40
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 
 from flyspec.runtime import configure_cpu_math
@@ -33,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_cpu_math()
     import torch
 
+    from flyspec.bench.forward_cost import time_runners
     from flyspec.kernels import quantize_int8
     from flyspec.models import load_causal_lm
     from flyspec.models.default_pair import default_pair_paths
@@ -47,28 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"plain": LeanForward(plain), "merged": LeanForward(merged)}
 
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(30000, (1, args.context), generator=generator)
-    times = {(name, n): [] for name in runners for n in sizes}
-    with torch.inference_mode():
-        logits = {name: runner.forward(context, 1) for name, runner in runners.items()}
-        same = torch.equal(logits["plain"], logits["merged"])
-        for repeat in range(args.repeats + 2):
-            for n in sizes:
-                block = torch.randint(30000, (1, n), generator=generator)
-                outputs = {}
-                for name, runner in runners.items():
-                    runner.crop(args.context)
-                    started = time.perf_counter()
-                    outputs[name] = runner.forward(block, n)
-                    if repeat >= 2:  # two warm-up rounds
-                        times[(name, n)].append(time.perf_counter() - started)
-                same = same and torch.equal(outputs["plain"], outputs["merged"])
+    with torch.inference_mode():  # the same logits for a prefill and for blocks of every n
+        context = torch.randint(30000, (1, args.context), generator=generator)
+        same = torch.equal(*(runner.forward(context, 1) for runner in runners.values()))
+        for n in sizes:
+            block = torch.randint(30000, (1, n), generator=generator)
+            same = same and torch.equal(*(runner.forward(block, n) for runner in runners.values()))
+            for runner in runners.values():
+                runner.crop(args.context)
+    times = time_runners(
+        runners,
+        vocab_size=int(plain.get_input_embeddings().weight.shape[0]),
+        new_tokens=sizes,
+        context_tokens=args.context,
+        repeats=args.repeats,
+    )
     print(f"logits bit-identical: {same}")
     print("| n | plain int8 ms | merged int8 ms | merged / plain |")
     print("|---:|---:|---:|---:|")
     for n in sizes:
-        plain_ms = 1000 * statistics.median(times[("plain", n)])
-        merged_ms = 1000 * statistics.median(times[("merged", n)])
+        plain_ms = 1000 * statistics.median(times["plain"][n])
+        merged_ms = 1000 * statistics.median(times["merged"][n])
         print(f"| {n} | {plain_ms:.1f} | {merged_ms:.1f} | {merged_ms / plain_ms:.2f} |")
     return 0 if same else 1
 

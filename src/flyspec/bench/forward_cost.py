@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,49 @@ class ForwardCost:
 
 
 @torch.inference_mode()
+def time_runners(
+    runners: Mapping[str, object],
+    *,
+    vocab_size: int,
+    new_tokens: Sequence[int],
+    context_tokens: int = 200,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each timed forward over n new tokens after ``context_tokens`` cached ones,
+    per named forward runner (``LeanForward`` / ``TransformersForward``) and n:
+    ``{name: {n: [s]}}``.
+
+    The calls are interleaved over n and runners (n1 runner1, n1 runner2, n2 runner1, ...,
+    then again) so that a drifting machine load hits all alike; ``warmup`` untimed rounds come
+    first. Each runner is reset, fed the same context, and cropped back to it before every
+    call. Token ids are random (the cost does not depend on them).
+    """
+    if not new_tokens or min(new_tokens) < 1 or context_tokens < 1 or repeats < 1:
+        raise ValueError("new_tokens, context_tokens and repeats must be >= 1")
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
+    extra = torch.randint(vocab_size, (1, max(new_tokens)), generator=generator).to(device)
+    for runner in runners.values():
+        runner.reset()
+        runner.forward(context, 1)
+
+    times: dict[str, dict[int, list[float]]] = {r: {n: [] for n in new_tokens} for r in runners}
+    for repeat in range(warmup + repeats):
+        for n in new_tokens:
+            for name, runner in runners.items():
+                runner.crop(context_tokens)
+                started = clock()
+                runner.forward(extra[:, :n], n)
+                elapsed = clock() - started
+                if repeat >= warmup:
+                    times[name][n].append(elapsed)
+    return times
+
+
 def time_forwards(
     model: torch.nn.Module,
     *,
@@ -47,38 +90,21 @@ def time_forwards(
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[int, list[float]]]:
-    """Seconds of each timed forward over n new tokens after ``context_tokens`` cached ones,
-    per forward path (:func:`flyspec.models.cache.make_forward`) and n: ``{path: {n: [s]}}``.
-
-    The calls are interleaved over n and paths (n1 path1, n1 path2, n2 path1, ..., then again)
-    so that a drifting machine load hits all alike; ``warmup`` untimed rounds come first. Each
-    path has its own cache, cropped back to ``context_tokens`` before every call. Token ids are
-    random (the cost does not depend on them).
-    """
+    """:func:`time_runners` for one model, one runner per forward path
+    (:func:`flyspec.models.cache.make_forward`): ``{path: {n: [s]}}``."""
     from flyspec.models.cache import make_forward
 
-    if not new_tokens or min(new_tokens) < 1 or context_tokens < 1 or repeats < 1:
-        raise ValueError("new_tokens, context_tokens and repeats must be >= 1")
-    vocab_size = int(model.get_input_embeddings().weight.shape[0])
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
-    extra = torch.randint(vocab_size, (1, max(new_tokens)), generator=generator).to(device)
-    runners = {path: make_forward(model, path) for path in forward_paths}
-    for runner in runners.values():
-        runner.forward(context, 1)
-
-    times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in new_tokens} for p in runners}
-    for repeat in range(warmup + repeats):
-        for n in new_tokens:
-            for path, runner in runners.items():
-                runner.crop(context_tokens)
-                started = clock()
-                runner.forward(extra[:, :n], n)
-                elapsed = clock() - started
-                if repeat >= warmup:
-                    times[path][n].append(elapsed)
-    return times
+    return time_runners(
+        {path: make_forward(model, path) for path in forward_paths},
+        vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+        new_tokens=new_tokens,
+        context_tokens=context_tokens,
+        repeats=repeats,
+        warmup=warmup,
+        seed=seed,
+        device=next(model.parameters()).device,
+        clock=clock,
+    )
 
 
 def measure_forward_cost(
