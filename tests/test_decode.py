@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, SamplingConfig
 from flyspec.decode import SpeculativeDecoder
 from flyspec.drafters import MlaDrafter, ModelDrafter, NgramDrafter
-from flyspec.models.cache import CachedLM, crop_cache
+from flyspec.models.cache import CachedLM, TransformersForward, crop_cache
 from flyspec.stats import RequestStats
 from flyspec.verify import sampling_probs
 from tests.tiny import make_tiny_model
@@ -227,8 +226,9 @@ def test_crop_refuses_to_grow(target, forward_path):
 
 
 def test_crop_cache_refuses_to_grow(target):
-    cache = DynamicCache()
-    target(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    runner = TransformersForward(target)
+    runner.forward(torch.tensor([[1, 2, 3]]), num_logits=1)
+    cache = runner.cache
     with pytest.raises(ValueError):
         crop_cache(cache, 5)
     crop_cache(cache, 1)

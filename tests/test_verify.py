@@ -8,7 +8,9 @@ import torch
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.verify import (
     loose_acceptance,
+    loosely_accepted,
     normalized_entropy,
+    num_leading_kept,
     sampling_probs,
     top3_entropy,
     verify_greedy,
@@ -84,6 +86,62 @@ class TestLooseAcceptance:
 
     def test_window_zero_keeps_every_uncertain_mismatch(self):
         assert self.mask([False, False], [0.7, 0.7], 0) == [True, True]
+
+
+def ragged_batch(generator: torch.Generator, num_drafted: list[int]):
+    """A flattened batch of blocks with these draft counts: draft ids ``long[T]``, target
+    logits ``[T, V]`` mixing certain and split rows, and ``cu_num_drafted`` ``long[B]``."""
+    total = sum(num_drafted)
+    targets = torch.randint(0, V, (total,), generator=generator)
+    kinds = torch.randint(0, 2, (total,), generator=generator).tolist()
+    # Draft the target's token most of the time, so windows are often clean.
+    wrong = torch.rand(total, generator=generator) < 0.3
+    drafts = torch.where(wrong, (targets + 1 + (targets % 3)) % V, targets)
+    logits = logits_for(targets.tolist(), kinds) if total else torch.zeros(0, V)
+    return drafts, logits, torch.tensor(num_drafted).cumsum(0)
+
+
+class TestBatchedRule:
+    """The flattened-batch form of the rule (what vLLM's sampler calls) equals the one-block
+    form request by request."""
+
+    @pytest.mark.parametrize("window", [0, 1, 2, 4])
+    def test_batched_loose_acceptance_equals_one_block_at_a_time(self, window):
+        generator = torch.Generator().manual_seed(window)
+        for _ in range(50):
+            num_drafted = torch.randint(0, 8, (5,), generator=generator).tolist()
+            drafts, logits, cu = ragged_batch(generator, num_drafted)
+            accepted = drafts == logits.argmax(-1)
+            fly = FlyConfig(window=window, theta=0.3)
+            allowed = torch.ones_like(accepted)
+            batched = loosely_accepted(accepted, logits, allowed, fly=fly, cu_num_drafted=cu)
+            kept = num_leading_kept(accepted | batched, cu)
+            start = 0
+            for request, n in enumerate(num_drafted):
+                block = slice(start, start + n)
+                single = loosely_accepted(accepted[block], logits[block], allowed[block], fly=fly)
+                assert batched[block].tolist() == single.tolist()
+                verdict = verify_greedy(
+                    drafts[block], torch.cat([logits[block], logits_for([0])]), fly=fly
+                )
+                assert int(kept[request]) == verdict.num_accepted
+                assert batched[block][: verdict.num_accepted].nonzero().flatten().tolist() == list(
+                    verdict.loose_positions
+                )
+                start += n
+
+    def test_a_window_never_reaches_into_the_next_request(self):
+        # Two blocks of 2: the uncertain mismatch at the end of the first would have a clean
+        # window of 2 if the second block's positions counted.
+        accepted = torch.tensor([True, False, True, True])
+        entropy = torch.full((4,), 0.7)
+        cu = torch.tensor([2, 4])
+        assert not loose_acceptance(accepted, entropy, window=2, theta=0.3, cu_num_drafted=cu).any()
+        assert loose_acceptance(accepted, entropy, window=2, theta=0.3)[1]
+
+    def test_leading_kept_counts_per_request(self):
+        kept = torch.tensor([True, True, False, True, True, True, False])
+        assert num_leading_kept(kept, torch.tensor([3, 3, 6, 7])).tolist() == [2, 0, 3, 0]
 
 
 class TestVerifyGreedy:

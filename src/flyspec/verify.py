@@ -82,27 +82,105 @@ def target_entropy(logits: torch.Tensor, kind: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- FLy rule
 
 
+def request_of_positions(cu_num_drafted: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """Which request each flattened draft position belongs to: ``long[B] -> long[T]``.
+
+    ``cu_num_drafted[r]`` is the exclusive end of request ``r``'s block in the flattened batch
+    (the cumulative sum of the per-request draft counts, as vLLM passes it). No host sync.
+    """
+    positions = torch.arange(num_positions, device=cu_num_drafted.device)
+    return torch.searchsorted(cu_num_drafted.long(), positions, right=True)
+
+
+def _block_bounds(
+    cu_num_drafted: torch.Tensor | None, num_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(request_of, block_start, block_end)``, each ``long[T]``: the request of every
+    flattened position and the bounds of its block; one block when ``cu_num_drafted`` is None."""
+    if cu_num_drafted is None:
+        cu_num_drafted = torch.tensor([num_positions], device=device)
+    cu_num_drafted = cu_num_drafted.long()
+    request_of = request_of_positions(cu_num_drafted, num_positions)
+    block_start = torch.cat([cu_num_drafted.new_zeros(1), cu_num_drafted[:-1]])
+    return request_of, block_start[request_of], cu_num_drafted[request_of]
+
+
 def loose_acceptance(
-    accepted: torch.Tensor, entropy: torch.Tensor, *, window: int, theta: float
+    accepted: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    window: int,
+    theta: float,
+    cu_num_drafted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which rejected positions FLy keeps loosely: ``bool[K], float[K] -> bool[K]``.
+    """Which rejected positions FLy keeps loosely: ``bool[T], float[T] -> bool[T]``.
 
     A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
     and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
-    window to fit in the block (``i + window <= K - 1``). A second rejection inside the window
+    window to fit in the block (``i + window <= end - 1``). A second rejection inside the window
     means the target is correcting a real error, so the first one stays rejected.
+
+    One block by default (``T = K``); with ``cu_num_drafted`` (``long[B]``, the cumulative
+    per-request draft counts) the positions are a flattened batch of ``B`` ragged blocks and
+    every window stays inside its own request's block. Vectorised, no host sync.
     """
-    num_drafted = accepted.shape[0]
+    num_positions = accepted.shape[0]
+    _, _, block_end = _block_bounds(cu_num_drafted, num_positions, accepted.device)
     rejected = ~accepted
-    # rejections_before[j] = number of rejected positions in [0, j).
-    rejections_before = torch.zeros(num_drafted + 1, dtype=torch.long, device=accepted.device)
+    # rejections_before[j] = number of rejected positions in [0, j) of the flattened batch.
+    rejections_before = torch.zeros(num_positions + 1, dtype=torch.long, device=accepted.device)
     rejections_before[1:] = rejected.long().cumsum(0)
-    positions = torch.arange(num_drafted, device=accepted.device)
+    positions = torch.arange(num_positions, device=accepted.device)
     window_end = positions + window + 1  # exclusive end of the window after position i
-    fits = window_end <= num_drafted
-    clamped_end = window_end.clamp(max=num_drafted)
+    fits = window_end <= block_end
+    clamped_end = torch.minimum(window_end, block_end)
     clean_window = rejections_before[clamped_end] == rejections_before[positions + 1]
     return rejected & (entropy >= theta) & fits & clean_window
+
+
+def loosely_accepted(
+    accepted: torch.Tensor,
+    target_logits: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    fly: FlyConfig,
+    cu_num_drafted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FLy's loosely accepted positions: entropy gate and deferred window on the target's
+    logits, restricted to ``allowed`` positions (those whose draft token the target could
+    emit at all). ``bool[T], [T, V], bool[T] -> bool[T]``; one block or a flattened batch
+    as in :func:`loose_acceptance`."""
+    entropy = target_entropy(target_logits, fly.entropy)
+    return allowed & loose_acceptance(
+        accepted, entropy, window=fly.window, theta=fly.theta, cu_num_drafted=cu_num_drafted
+    )
+
+
+def kept_prefix(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
+    """Which positions come before their block's cut (the first unkept position), i.e. are
+    emitted: ``bool[T], long[B] -> bool[T]``. Vectorised, no host sync."""
+    _, block_start, _ = _block_bounds(cu_num_drafted, kept.shape[0], kept.device)
+    # unkept_through[j + 1] = number of unkept positions in [0, j] of the flattened batch.
+    unkept_through = torch.zeros(kept.shape[0] + 1, dtype=torch.long, device=kept.device)
+    unkept_through[1:] = (~kept).long().cumsum(0)
+    return unkept_through[1:] == unkept_through[block_start]
+
+
+def num_leading_kept(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
+    """Per request, how many positions of its block are kept before the first unkept one
+    (the cut): ``bool[T], long[B] -> long[B]``. Vectorised, no host sync."""
+    request_of = request_of_positions(cu_num_drafted, kept.shape[0])
+    counts = torch.zeros(cu_num_drafted.shape[0], dtype=torch.long, device=kept.device)
+    return counts.scatter_add(0, request_of, kept_prefix(kept, cu_num_drafted).long())
+
+
+def speculative_acceptance(
+    target_at_draft: torch.Tensor, draft_at_draft: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Lossless speculative sampling's acceptance test at each drafted position, accepting
+    with probability ``min(1, target / draft)``: ``float[T] x 3 -> bool[T]``. A draft
+    probability of 0 (never sampled) rejects."""
+    return (draft_at_draft > 0) & (uniforms * draft_at_draft < target_at_draft)
 
 
 def first_unkept(kept: torch.Tensor) -> int:
@@ -147,9 +225,8 @@ def verify_greedy(
     loose = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         block_logits = target_logits[:num_drafted]
-        entropy = target_entropy(block_logits, fly.entropy)
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
-        loose = possible & loose_acceptance(accepted, entropy, window=fly.window, theta=fly.theta)
+        loose = loosely_accepted(accepted, block_logits, possible, fly=fly)
     return _verdict(accepted=accepted, loose=loose, next_token_at=lambda n: target_tokens[n])
 
 
@@ -204,15 +281,14 @@ def verify_sampling(
     else:
         draft_at_draft = draft_probs[positions, draft_tokens]
     uniforms = torch.rand(num_drafted, generator=generator, device=target_probs.device)
-    accepted = uniforms * draft_at_draft < target_at_draft  # [K]
+    accepted = speculative_acceptance(target_at_draft, draft_at_draft, uniforms)  # [K]
 
     loose = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         if target_logits is None:
             raise ValueError("target_logits are needed for the FLy entropy gate")
-        entropy = target_entropy(target_logits[:num_drafted], fly.entropy)
-        loose = (target_at_draft > 0) & loose_acceptance(
-            accepted, entropy, window=fly.window, theta=fly.theta
+        loose = loosely_accepted(
+            accepted, target_logits[:num_drafted], target_at_draft > 0, fly=fly
         )
 
     def next_token_at(cut: int) -> int:

@@ -3,6 +3,7 @@ that crops a transformers cache."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +45,9 @@ class TransformersForward:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.cache = DynamicCache()
+        # transformers 5.24 names the cache argument ``cache``; earlier 5.x ``past_key_values``.
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     @property
     def length(self) -> int:
@@ -58,9 +62,9 @@ class TransformersForward:
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         output = self.model(
             input_ids=input_ids,
-            cache=self.cache,  # updated in place
             use_cache=True,
             logits_to_keep=num_logits,
+            **{self.cache_argument: self.cache},  # updated in place
         )
         return output.logits[0, -num_logits:]
 

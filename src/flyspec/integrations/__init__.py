@@ -1,0 +1,1 @@
+"""Other inference engines running flyspec's verification rules (the vLLM plugin)."""

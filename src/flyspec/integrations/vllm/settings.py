@@ -1,0 +1,108 @@
+"""The plugin's settings, read from vLLM's ``additional_config`` (no vLLM import here, so the
+CLI can validate them before it starts an engine).
+
+Keys of the ``flyspec`` section, named as in vLLM's open FLy pull request so that moving to an
+upstream FLy is a matter of moving the keys into ``speculative_config``:
+
+* ``rejection_sample_method``: ``"fly"`` (the default once the section is present) or
+  ``"standard"`` (vLLM's exact verification, the plugin off).
+* ``fly_window_size``: W, the exact matches required after a loosely accepted mismatch
+  (default 6; flyspec's convention, see :mod:`flyspec.config`).
+* ``fly_entropy_threshold``: theta of the entropy gate (default 0.3).
+* ``fly_entropy``: ``"top3"`` (default) or ``"normalized"``.
+
+Where ``additional_config`` has no ``flyspec`` section, the environment variable
+``FLYSPEC_VLLM`` may hold the same section as JSON (a fallback for launchers that cannot pass
+``additional_config``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flyspec.config import DEFAULT_THETA, DEFAULT_WINDOW, ConfigError, FlyConfig
+from flyspec.errors import FlyspecError
+
+SECTION = "flyspec"
+ENV_VARIABLE = "FLYSPEC_VLLM"
+METHODS = ("fly", "standard")
+KEYS = ("rejection_sample_method", "fly_window_size", "fly_entropy_threshold", "fly_entropy")
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+"""vLLM releases whose verification seam the plugin is tested on (the CPU build here)."""
+
+
+class VllmPluginError(FlyspecError, ValueError):
+    """The plugin cannot run as configured: a bad setting or a vLLM without the seam."""
+
+
+def parse_settings(section: Any) -> FlyConfig | None:
+    """The FLy rule a ``flyspec`` section asks for, or None for exact verification.
+
+    Raises :class:`VllmPluginError` with a one-line message for an unknown key or a bad value.
+    """
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise VllmPluginError(
+            f"additional_config['{SECTION}'] must be an object, got {type(section).__name__}"
+        )
+    unknown = sorted(set(section) - set(KEYS))
+    if unknown:
+        raise VllmPluginError(
+            f"unknown key(s) in additional_config['{SECTION}']: {', '.join(unknown)} "
+            f"(known: {', '.join(KEYS)})"
+        )
+    method = section.get("rejection_sample_method", "fly")
+    if method not in METHODS:
+        raise VllmPluginError(
+            f"rejection_sample_method must be one of {', '.join(METHODS)}, got {method!r}"
+        )
+    window = section.get("fly_window_size", DEFAULT_WINDOW)
+    theta = section.get("fly_entropy_threshold", DEFAULT_THETA)
+    if isinstance(window, bool) or isinstance(theta, bool):
+        raise VllmPluginError("fly_window_size and fly_entropy_threshold must be numbers")
+    try:
+        fly = FlyConfig(window=window, theta=theta, entropy=section.get("fly_entropy", "top3"))
+    except ConfigError as error:
+        raise VllmPluginError(f"bad additional_config['{SECTION}']: {error}") from None
+    if method == "standard" or math.isinf(fly.theta):
+        return None
+    return fly
+
+
+def section_from(additional: Mapping[str, Any] | None, environ: Mapping[str, str]) -> Any:
+    """The ``flyspec`` section of vLLM's ``additional_config``, else the JSON of the
+    ``FLYSPEC_VLLM`` environment variable, else None."""
+    if additional and SECTION in additional:
+        return additional[SECTION]
+    text = environ.get(ENV_VARIABLE, "").strip()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise VllmPluginError(f"{ENV_VARIABLE} is not valid JSON: {error}") from None
+
+
+def settings_in_force(additional: Mapping[str, Any] | None) -> FlyConfig | None:
+    """The rule a vLLM engine with this ``additional_config`` runs (environment fallback)."""
+    return parse_settings(section_from(additional, os.environ))
+
+
+def additional_config(fly: FlyConfig | None) -> dict[str, Any]:
+    """vLLM's ``additional_config`` that switches the plugin on with ``fly`` (or leaves
+    verification exact for None)."""
+    if fly is None or math.isinf(fly.theta):
+        return {SECTION: {"rejection_sample_method": "standard"}}
+    return {
+        SECTION: {
+            "rejection_sample_method": "fly",
+            "fly_window_size": fly.window,
+            "fly_entropy_threshold": fly.theta,
+            "fly_entropy": fly.entropy,
+        }
+    }
