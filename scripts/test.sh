@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Set up, pull the default models and datasets (the end-to-end tests use them), lint, and run
-# the whole test suite.
+# the whole test suite: flyspec's own in .venv, then the vLLM plugin's (tests/vllm) in
+# .venv-vllm, vLLM's environment. Arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 .venv/bin/flyspec models pull
 .venv/bin/flyspec datasets pull
-.venv/bin/ruff check src tests benchmarks
-.venv/bin/ruff format --check --quiet src tests benchmarks
-status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
-if [ "$status" -eq 5 ]; then
-    echo "pytest collected no tests: failing" >&2
-    exit 1
-fi
-exit "$status"
+.venv/bin/ruff check src tests benchmarks scripts
+.venv/bin/ruff format --check --quiet src tests benchmarks scripts
+
+run_pytest() {  # run_pytest PYTHON ARGS...: pytest, where collecting no test is a failure
+    local status=0
+    "$1" -m pytest -q "${@:2}" || status=$?
+    if [ "$status" -eq 5 ]; then
+        echo "pytest collected no tests: failing" >&2
+        return 1
+    fi
+    return "$status"
+}
+
+run_pytest .venv/bin/python "$@"
+bash scripts/setup.sh --vllm
+run_pytest .venv-vllm/bin/python tests/vllm

@@ -151,6 +151,64 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """--engine and the settings of a vLLM engine (``--engine vllm``; the FLy plugin)."""
+    group = parser.add_argument_group("vLLM engine (--engine vllm)")
+    group.add_argument(
+        "--engine",
+        default="flyspec",
+        choices=("flyspec", "vllm"),
+        help="flyspec's own engine (default), or vLLM with flyspec's FLy plugin",
+    )
+    group.add_argument(
+        "--vllm-dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="vLLM's weight dtype (default auto: the checkpoint's, bfloat16 for the default pair)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs the target is split over (vLLM's --tensor-parallel-size; default 1)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="vLLM's context length per request (default 4096; it sizes the KV cache)",
+    )
+
+
+def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode: str):
+    """The vLLM engine for these arguments in ``mode`` (the embedded default pair where
+    --target/--draft are not given)."""
+    from flyspec.integrations.vllm.launch import VllmEngineSpec, require_vllm
+
+    require_vllm()
+    target, draft = args.target, args.draft
+    if target is None or (draft is None and config.drafter == "model" and mode != "target"):
+        from flyspec.models import default_pair_paths
+
+        defaults = default_pair_paths()
+        target = target or str(defaults.target)
+        draft = draft or str(defaults.draft)
+    if args.max_model_len < 1:
+        raise FlyspecError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    return VllmEngineSpec(
+        target=target,
+        draft=draft,
+        mode=mode,
+        drafter=config.drafter,
+        k=config.k,
+        fly=config.fly,
+        dtype=None if args.vllm_dtype == "auto" else args.vllm_dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=config.sampling.seed or 0,
+    )
+
+
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     """The decoding settings of :class:`flyspec.config.DecodeConfig`."""
     parser.add_argument("--mode", default="fly", choices=cfg.MODES, help="default: fly")

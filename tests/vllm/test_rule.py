@@ -2,6 +2,7 @@
 logits, request by request against flyspec's one-block rule. No engine, no model."""
 
 import math
+from dataclasses import replace
 
 import torch
 from vllm.v1.sample import rejection_sampler as vllm_rs
@@ -12,6 +13,7 @@ from flyspec.config import FlyConfig
 from flyspec.integrations.vllm.metrics import LooseCounter
 from flyspec.integrations.vllm.sampler import (
     FlyVerifier,
+    empty_batch_safe,
     expand_per_request,
     expansion_is_correct,
 )
@@ -199,3 +201,21 @@ def test_per_token_expansion():
     assert expand_per_request(values, cu, 5, 0, 1).tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
     assert expansion_is_correct(expand_per_request)
     assert not expansion_is_correct(lambda x, cu, n, **_: torch.zeros(n, dtype=x.dtype))
+
+
+def test_a_step_without_draft_tokens_emits_the_bonus_tokens():
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    drafts = torch.zeros(0, dtype=torch.int32)
+    bonus = torch.tensor([[4], [9]])
+    for temperatures in ([0.0, 0.0], [0.0, 1.0]):
+        output, _ = run_plugin(
+            FLY, drafts, torch.zeros(0, V), bonus, cu, [0, 0], metadata(temperatures, [1, 2])
+        )
+        assert [emitted(row) for row in output] == [[4], [9]]
+
+
+def test_sampling_constraints_leave_an_empty_step_alone():
+    sampling = replace(metadata([1.0, 1.0], [1, 2]), top_k=torch.tensor([5, 5], dtype=torch.int32))
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    apply = empty_batch_safe(vllm_rs.apply_sampling_constraints)
+    assert apply(torch.zeros(0, V), cu, sampling).shape == (0, V)

@@ -15,14 +15,17 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from flyspec.bench.methods import (
     ALL_METHODS,
     DEFAULT_METHODS,
+    DEFAULT_VLLM_METHODS,
     FLYSPEC_METHODS,
     LOSSLESS_METHODS,
     METHODS_NEEDING_DRAFT,
+    VLLM_METHOD_NAMES,
     make_method,
     parse_methods,
 )
@@ -63,9 +66,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.set_defaults(mode="fly", drafter="model", stop=[], draft_temperature=0.0)
     bench.add_argument(
         "--methods",
-        default=",".join(DEFAULT_METHODS),
+        default=None,
         help=f"comma-separated, from {', '.join(ALL_METHODS)} "
-        f"(default: {','.join(DEFAULT_METHODS)}); target is always included",
+        f"(default: {','.join(DEFAULT_METHODS)}; with --engine vllm: "
+        f"{','.join(DEFAULT_VLLM_METHODS)}); the baseline (target, or vllm-target with "
+        "--engine vllm) is always included",
     )
     source = bench.add_mutually_exclusive_group()
     source.add_argument(
@@ -91,6 +96,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+    cli.add_vllm_arguments(bench)
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="with --engine vllm: also measure each vLLM method's throughput with this many "
+        "requests in flight (default 1: batch 1 only)",
     )
     cost = bench.add_argument_group("forward cost")
     cost.add_argument(
@@ -124,6 +137,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FlyspecError(f"--threads must be >= 1, got {args.threads}")
     if args.repeats < 1 or args.context_tokens < 1:
         raise FlyspecError("--repeats and --context-tokens must be >= 1")
+    if args.concurrency < 1:
+        raise FlyspecError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.engine == "vllm" and args.forward_cost:
+        raise FlyspecError("--forward-cost times flyspec's own forwards; drop --engine vllm")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -131,7 +148,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from flyspec.runtime import set_torch_threads
 
     _check_args(args)
-    methods = parse_methods(args.methods)
+    vllm_engine = args.engine == "vllm"
+    methods = parse_methods(
+        args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS),
+        baseline="vllm-target" if vllm_engine else "target",
+    )
     config = cli.decode_config_from_args(args)
     if args.threads is not None:
         set_torch_threads(args.threads)
@@ -140,27 +161,133 @@ def run_bench(args: argparse.Namespace) -> int:
         output = Path(args.output or f"results/forward-cost-{stamp}")
         return _run_forward_cost(args, config, output)
 
+    if vllm_engine:
+        return _run_vllm_bench(args, methods, config, stamp)
+
     engine = cli.load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT.intersection(methods)))
     kernels = engine.kernels
-    chat = args.chat
-    if chat is None:
-        chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    if args.prompts_file:
-        from flyspec.bench.prompts import read_prompts_file
-
-        prompts = read_prompts_file(args.prompts_file, limit=args.limit, chat=chat)
-        dataset = Path(args.prompts_file).stem
-    else:
-        from flyspec.bench.prompts import dataset_prompts
-
-        prompts = dataset_prompts(args.dataset, limit=args.limit, chat=chat)
-        dataset = args.dataset
+    prompts, dataset, chat = _prompts(args, engine.tokenizer)
     output = Path(args.output or f"results/bench-{dataset}-{stamp}")
 
     report = run_benchmark(
         engine, prompts, methods, config, progress=args.progress, dataset=dataset
     )
     report["config"].update(device=args.device, dtype=args.dtype, chat=chat, kernels=kernels)
+    return _finish(args, report, config, output)
+
+
+def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp: str) -> int:
+    """vLLM's methods one engine after another, then flyspec's own (interleaved), in one
+    report whose speedups are over vllm-target."""
+    from flyspec import cli
+    from flyspec.bench.prompts import encode_prompts
+    from flyspec.bench.report import decoding_settings, environment
+    from flyspec.bench.vllm import make_vllm_methods, run_vllm_methods, summarise_vllm_runs
+    from flyspec.models import load_tokenizer
+
+    if not config.sampling.greedy and config.sampling.seed is None:
+        config = config.with_updates(sampling=replace(config.sampling, seed=0))
+    spec = cli.vllm_engine_spec(args, config, mode="fly")
+    vllm_names = [name for name in methods if name in VLLM_METHOD_NAMES]
+    flyspec_names = [name for name in methods if name not in VLLM_METHOD_NAMES]
+    vllm_methods = make_vllm_methods(
+        vllm_names, spec, config.sampling, concurrency=args.concurrency
+    )
+    tokenizer = load_tokenizer(spec.target)
+    prompts, dataset, chat = _prompts(args, tokenizer)
+    prompts_ids = encode_prompts(tokenizer, prompts)
+    output = Path(args.output or f"results/bench-{dataset}-vllm-{stamp}")
+
+    runs = run_vllm_methods(
+        vllm_methods,
+        prompts_ids,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.sampling.seed,
+        concurrency=args.concurrency,
+        warmup_tokens=min(config.max_new_tokens, 2 * (config.k + 1)),
+        progress=args.progress,
+    )
+    baseline = runs[0]  # vllm-target: parse_methods puts the baseline first
+    summaries, samples = [], {}
+    for run in runs:
+        summary, records = summarise_vllm_runs(
+            run,
+            prompts,
+            prompts_ids,
+            baseline,
+            k=config.k,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        summaries.append(summary)
+        samples[run.name] = records
+    report = {
+        "config": {
+            "dataset": dataset,
+            "prompts": len(prompts),
+            "methods": methods,
+            "baseline": "vllm-target",
+            **decoding_settings(config),
+            "concurrency": args.concurrency,
+            "target": spec.target,
+            "draft": spec.draft,
+            "vllm": {"dtype": spec.dtype or "auto", "max_model_len": spec.max_model_len},
+            "chat": chat,
+            "timing": "vLLM methods one engine after another, each prompt at batch 1 after "
+            "a warm-up, then all prompts with `concurrency` in flight; flyspec's methods "
+            "after them, interleaved per prompt",
+        },
+        "environment": environment(),
+        "methods": summaries,
+        "prompts": [prompt.as_dict() for prompt in prompts],
+        "samples": samples,
+    }
+    if flyspec_names:
+        engine = cli.load_engine(
+            args, with_draft=bool(METHODS_NEEDING_DRAFT.intersection(flyspec_names))
+        )
+        own = run_benchmark(
+            engine, prompts, flyspec_names, config, progress=args.progress, dataset=dataset
+        )
+        vllm_target_speed = [r["tokens_per_second"] for r in samples[baseline.name]]
+        for summary in own["methods"]:
+            summary["speedup_over_target"] = summary["speedup"]
+            summary["speedup"] = _speedup_over(summary, own["samples"], vllm_target_speed)
+        report["methods"] += own["methods"]
+        report["samples"].update(own["samples"])
+        report["config"]["flyspec"] = {
+            "device": args.device,
+            "dtype": args.dtype,
+            "kernels": engine.kernels,
+        }
+    return _finish(args, report, config, output)
+
+
+def _speedup_over(summary: dict, samples: dict, baseline_speed: list[float]) -> float | None:
+    from flyspec.stats import mean_speedup
+
+    speed = [r["tokens_per_second"] for r in samples[summary["method"]]]
+    value = mean_speedup(speed, baseline_speed)
+    return None if value != value else round(value, 4)  # nan: no baseline
+
+
+def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[BenchPrompt], str, bool]:
+    """The prompts of --dataset or --prompts-file, their source's name, and whether they are
+    chat prompts (default: when the tokenizer has a chat template)."""
+    chat = args.chat
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if args.prompts_file:
+        from flyspec.bench.prompts import read_prompts_file
+
+        prompts = read_prompts_file(args.prompts_file, limit=args.limit, chat=chat)
+        return prompts, Path(args.prompts_file).stem, chat
+    from flyspec.bench.prompts import dataset_prompts
+
+    return dataset_prompts(args.dataset, limit=args.limit, chat=chat), args.dataset, chat
+
+
+def _finish(args: argparse.Namespace, report: dict, config, output: Path) -> int:
+    """Write the report, warn where a lossless method differs from its baseline, print."""
     from flyspec.bench.report import markdown_table, write_report
 
     files = write_report(report, output)
@@ -172,10 +299,10 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(
                     f"flyspec: warning: {summary['method']} is lossless but "
                     f"{summary['samples'] - summary['identical_to_target']} of its outputs "
-                    "differ from the target's",
+                    "differ from its baseline's",
                     file=sys.stderr,
                 )
-    table = markdown_table(report["methods"])
+    table = markdown_table(report["methods"], baseline=report["config"].get("baseline", "target"))
     if args.json:
         print(json.dumps(report, ensure_ascii=False))
         print(table, file=sys.stderr)
@@ -201,13 +328,18 @@ def run_benchmark(
     from tqdm import tqdm
 
     from flyspec.bench.prompts import encode_prompts
-    from flyspec.bench.report import environment, sample_record, summarise_method
+    from flyspec.bench.report import (
+        decoding_settings,
+        environment,
+        sample_records,
+        summarise_method,
+    )
 
     method_names = parse_methods(",".join(method_names))
     if not prompts:
         raise FlyspecError("no prompts to benchmark")
     methods = [make_method(name, engine, config) for name in method_names]
-    prompt_ids = encode_prompts(engine, prompts)
+    prompt_ids = encode_prompts(engine.tokenizer, prompts)
     seed = config.sampling.seed
 
     def sample_seed(index: int) -> int | None:
@@ -235,18 +367,13 @@ def run_benchmark(
     samples: dict[str, list[dict]] = {}
     summaries = []
     for method in methods:
-        records = [
-            sample_record(
-                prompts[index].id,
-                len(prompt_ids[index]),
-                run.token_ids,
-                run.seconds,
-                target_runs[index].token_ids,
-                stats=run.stats.as_dict() if run.stats is not None else None,
-                text=engine.tokenizer.decode(run.token_ids, skip_special_tokens=True),
-            )
-            for index, run in enumerate(runs[method.name])
-        ]
+        records = sample_records(
+            prompts,
+            prompt_ids,
+            runs[method.name],
+            target_runs,
+            decode=lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+        )
         samples[method.name] = records
         rounds = (
             [r for run in runs[method.name] for r in run.stats.rounds]
@@ -268,15 +395,7 @@ def run_benchmark(
             "dataset": dataset,
             "prompts": len(prompts),
             "methods": list(method_names),
-            "max_new_tokens": config.max_new_tokens,
-            "k": config.k,
-            "window": config.fly.window,
-            "theta": config.fly.theta,
-            "entropy": config.fly.entropy,
-            "temperature": config.sampling.temperature,
-            "top_k": config.sampling.top_k,
-            "top_p": config.sampling.top_p,
-            "seed": seed,
+            **decoding_settings(config),
             "max_ngram": config.max_ngram,
             "mla_proposals": config.mla_proposals,
             "draft_confidence": config.draft_confidence,

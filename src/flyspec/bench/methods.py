@@ -38,14 +38,17 @@ DEFAULT_METHODS = (
     "hf-assisted",
     "hf-pld",
 )
-ALL_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)
+VLLM_METHOD_NAMES = ("vllm-target", "vllm-spd", "vllm-fly")  # flyspec.bench.vllm
+DEFAULT_VLLM_METHODS = (*VLLM_METHOD_NAMES, "target", "fly", "fly-mla")
+IN_PROCESS_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)  # run on a loaded flyspec Engine
+ALL_METHODS = (*IN_PROCESS_METHODS, *VLLM_METHOD_NAMES)
 METHODS_NEEDING_DRAFT = frozenset({"spd", "fly", "fly-mla", "hf-assisted-k", "hf-assisted"})
-LOSSLESS_METHODS = frozenset({"target", "spd", "ngram", "hf-target"})
+LOSSLESS_METHODS = frozenset({"target", "spd", "ngram", "hf-target", "vllm-target", "vllm-spd"})
 
 
-def parse_methods(text: str) -> list[str]:
-    """``"target,fly"`` -> ``["target", "fly"]``, validated; ``target`` is added first when
-    missing (it is the baseline of every speedup)."""
+def parse_methods(text: str, *, baseline: str = "target") -> list[str]:
+    """``"target,fly"`` -> ``["target", "fly"]``, validated; the ``baseline`` of every
+    speedup is added first when missing."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise FlyspecError(f"--methods is empty; choose from {', '.join(ALL_METHODS)}")
@@ -58,8 +61,8 @@ def parse_methods(text: str) -> list[str]:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise FlyspecError(f"method(s) listed twice in --methods: {', '.join(duplicates)}")
-    if "target" not in names:
-        names.insert(0, "target")
+    if baseline not in names:
+        names.insert(0, baseline)
     return names
 
 
@@ -214,4 +217,6 @@ def make_method(name: str, engine, config: DecodeConfig) -> Method:
         return FlyspecMethod(name, engine, config)
     if name in HF_METHODS:
         return HfMethod(name, engine, config)
+    if name in VLLM_METHOD_NAMES:
+        raise FlyspecError(f"method {name} runs in vLLM: add --engine vllm")
     raise FlyspecError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")

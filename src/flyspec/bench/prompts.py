@@ -113,17 +113,18 @@ def read_prompts_file(path: str | Path, *, limit: int | None, chat: bool) -> lis
     return prompts[:limit] if limit is not None else prompts
 
 
-def encode_prompt(engine, prompt: BenchPrompt) -> list[int]:
-    """Token ids of a prompt with the engine's tokenizer (and chat template for messages)."""
+def encode_prompt(tokenizer, prompt: BenchPrompt) -> list[int]:
+    """Token ids of a prompt (through the chat template for messages), as
+    :meth:`flyspec.engine.Engine.encode` makes them."""
     if not prompt.messages:
-        return engine.encode(prompt.raw)
-    if not getattr(engine.tokenizer, "chat_template", None):
+        return list(tokenizer.encode(prompt.raw, add_special_tokens=True))
+    if not getattr(tokenizer, "chat_template", None):
         raise FlyspecError("this tokenizer has no chat template; use --no-chat")
-    text = engine.tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         list(prompt.messages), tokenize=False, add_generation_prompt=True
     )
-    return list(engine.tokenizer.encode(text + prompt.reply_prefix, add_special_tokens=False))
+    return list(tokenizer.encode(text + prompt.reply_prefix, add_special_tokens=False))
 
 
-def encode_prompts(engine, prompts: Sequence[BenchPrompt]) -> list[list[int]]:
-    return [encode_prompt(engine, prompt) for prompt in prompts]
+def encode_prompts(tokenizer, prompts: Sequence[BenchPrompt]) -> list[list[int]]:
+    return [encode_prompt(tokenizer, prompt) for prompt in prompts]

@@ -115,6 +115,38 @@ def summarise_method(
     return summary
 
 
+def decoding_settings(config) -> dict:
+    """The settings of a :class:`~flyspec.config.DecodeConfig` a report records."""
+    return {
+        "max_new_tokens": config.max_new_tokens,
+        "k": config.k,
+        "window": config.fly.window,
+        "theta": config.fly.theta,
+        "entropy": config.fly.entropy,
+        "temperature": config.sampling.temperature,
+        "top_k": config.sampling.top_k,
+        "top_p": config.sampling.top_p,
+        "seed": config.sampling.seed,
+    }
+
+
+def sample_records(prompts, prompts_ids, runs, baseline_runs, *, decode) -> list[dict]:
+    """:func:`sample_record` of each run (a :class:`~flyspec.bench.methods.SampleRun`),
+    compared with the baseline's run of the same prompt."""
+    return [
+        sample_record(
+            prompts[index].id,
+            len(prompts_ids[index]),
+            run.token_ids,
+            run.seconds,
+            baseline_runs[index].token_ids,
+            stats=run.stats.as_dict() if run.stats is not None else None,
+            text=decode(run.token_ids),
+        )
+        for index, run in enumerate(runs)
+    ]
+
+
 def sample_record(
     prompt_id: str,
     prompt_tokens: int,
@@ -173,32 +205,35 @@ def _cell(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def markdown_table(summaries: Sequence[Mapping]) -> str:
-    """One row per method: speed, speedup, tau, acceptance, time split, identical outputs."""
-    lines = [
+def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") -> str:
+    """One row per method: speed, speedup, tau, acceptance, time split, identical outputs,
+    and the throughput with several requests in flight where it was measured."""
+    concurrent = any(s.get("concurrent_tokens_per_second") for s in summaries)
+    header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
-        "| verifying s | = target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        f"| verifying s | = {baseline} |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if concurrent:
+        header += " tok/s in flight |"
+        rule += "---:|"
+    lines = [header, rule]
     for s in summaries:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    s["method"],
-                    _cell(s["tokens_per_second"], ".2f"),
-                    _cell(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
-                    _cell(s.get("tau"), ".2f"),
-                    _cell(s.get("acceptance_rate"), ".1%"),
-                    _cell(s.get("loose_acceptance_rate"), ".1%"),
-                    _cell(s.get("prefill_seconds"), ".1f"),
-                    _cell(s.get("draft_seconds"), ".1f"),
-                    _cell(s.get("verify_seconds"), ".1f"),
-                    f"{s['identical_to_target']}/{s['samples']}",
-                ]
-            )
-            + " |"
-        )
+        cells = [
+            s["method"],
+            _cell(s["tokens_per_second"], ".2f"),
+            _cell(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
+            _cell(s.get("tau"), ".2f"),
+            _cell(s.get("acceptance_rate"), ".1%"),
+            _cell(s.get("loose_acceptance_rate"), ".1%"),
+            _cell(s.get("prefill_seconds"), ".1f"),
+            _cell(s.get("draft_seconds"), ".1f"),
+            _cell(s.get("verify_seconds"), ".1f"),
+            f"{s['identical_to_target']}/{s['samples']}",
+        ]
+        if concurrent:
+            cells.append(_cell(s.get("concurrent_tokens_per_second"), ".2f"))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -214,14 +249,15 @@ def markdown_report(report: Mapping) -> str:
         f"draft {config['draft']}; {env['torch_threads']} torch threads, "
         f"MKL_CBWR={env['MKL_CBWR']}, {env['cpu_model']}, {env['date']}.",
         "",
-        markdown_table(report["methods"]),
+        markdown_table(report["methods"], baseline=config.get("baseline", "target")),
         "",
-        "Speedup: mean per-sample tokens/s over the target's. tau: tokens per round. "
+        f"Speedup: mean per-sample tokens/s over {config.get('baseline', 'the target')}'s. "
+        "tau: tokens per round. "
         "accepted / loosely: exact and loose acceptances per drafted token. "
         "= target: outputs identical to the target's, token for token. "
         "transformers' methods (hf-*) report speed only.",
     ]
-    per_position = [s for s in report["methods"] if s.get("drafted")]
+    per_position = [s for s in report["methods"] if s.get("per_position_acceptance")]
     if per_position:
         k = len(per_position[0]["per_position_acceptance"])
         lines += [
@@ -259,16 +295,19 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
     figure, axes = plt.subplots(figsize=(1.0 + 0.9 * len(summaries), 3.6))
     names = [s["method"] for s in summaries]
     values = [s["speedup"] if s["speedup"] is not None else 0.0 for s in summaries]
-    colours = ["tab:gray" if s["kind"] == "hf" else "tab:blue" for s in summaries]
+    colours = [
+        {"hf": "tab:gray", "vllm": "tab:orange"}.get(s["kind"], "tab:blue") for s in summaries
+    ]
     bars = axes.bar(names, values, color=colours)
     axes.bar_label(bars, labels=[f"{v:.2f}x" for v in values], fontsize=8)
     axes.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    axes.set_ylabel("speedup over target")
+    axes.set_ylabel(f"speedup over {report['config'].get('baseline', 'target')}")
     axes.set_title(f"{report['config']['dataset']}: speedup (mean tokens/s ratio)")
     axes.tick_params(axis="x", rotation=30)
     save(figure, SPEEDUP_PLOT)
 
     speculative = [s for s in summaries if s.get("tokens_per_round_histogram") and s["drafted"]]
+    by_position = [s for s in summaries if s.get("per_position_acceptance")]
     if speculative:
         figure, axes = plt.subplots(figsize=(7, 3.6))
         width = 0.8 / len(speculative)
@@ -290,8 +329,9 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
         axes.legend(fontsize=8)
         save(figure, ROUNDS_PLOT)
 
+    if by_position:
         figure, axes = plt.subplots(figsize=(7, 3.6))
-        for s in speculative:
+        for s in by_position:
             rates = s["per_position_acceptance"]
             points = [(i, p) for i, p in enumerate(rates) if p is not None]
             axes.plot([i for i, _ in points], [p for _, p in points], marker="o", label=s["method"])

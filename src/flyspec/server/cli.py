@@ -15,7 +15,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # on Ctrl-C, streams still open after this are cu
 
 def add_parser(commands) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``flyspec`` subcommands (an argparse subparsers object)."""
-    from flyspec.cli import add_decode_arguments, add_model_arguments
+    from flyspec.cli import add_decode_arguments, add_model_arguments, add_vllm_arguments
 
     serve = commands.add_parser(
         "serve",
@@ -58,6 +58,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default info)",
     )
+    add_vllm_arguments(serve)
+    serve.add_argument(
+        "--vllm-args",
+        default="",
+        help="further arguments for `vllm serve`, as one quoted string (--engine vllm)",
+    )
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -68,6 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from flyspec.errors import FlyspecError
 
     defaults = decode_config_from_args(args)
+    if args.engine == "vllm":
+        return run_vllm_serve(args, defaults)
     if args.queue_size < 0:
         raise FlyspecError(f"--queue-size must be >= 0, got {args.queue_size}")
     if not args.request_timeout > 0:
@@ -106,6 +114,50 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     return 0
+
+
+def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
+    """Replace this process with vLLM's OpenAI server, FLy plugin on in ``fly`` mode. The
+    decoding flags map onto vLLM's: mode and drafter onto the speculative config, K onto
+    num_speculative_tokens, W/theta/entropy onto the plugin's settings, and temperature,
+    top-k, top-p and --max-new-tokens onto the requests' defaults."""
+    import shlex
+
+    from flyspec.cli import vllm_engine_spec
+    from flyspec.errors import FlyspecError
+    from flyspec.integrations.vllm.launch import exec_serve, printable, serve_command
+
+    if not 0 <= args.port <= 65535:
+        raise FlyspecError(f"--port must be in 0..65535, got {args.port}")
+    if args.no_draft and defaults.uses_draft_model:
+        raise FlyspecError("--no-draft needs --mode target or --drafter ngram")
+    if defaults.stop or defaults.draft_temperature or defaults.draft_confidence:
+        raise FlyspecError(
+            "--stop, --draft-temperature and --draft-confidence are not mapped onto vLLM "
+            "(send stop strings with each request)"
+        )
+    spec = vllm_engine_spec(args, defaults, mode=defaults.mode)
+    sampling = defaults.sampling
+    generation = {"temperature": sampling.temperature, "max_new_tokens": defaults.max_new_tokens}
+    if sampling.top_k:
+        generation["top_k"] = sampling.top_k
+    if sampling.top_p < 1:
+        generation["top_p"] = sampling.top_p
+    try:
+        extra = shlex.split(args.vllm_args)
+    except ValueError as error:
+        raise FlyspecError(f"--vllm-args: {error}") from None
+    command = serve_command(
+        spec,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.model_name or default_model_name(args.target, spec.target),
+        generation_defaults=generation,
+        extra_arguments=[*extra, "--uvicorn-log-level", args.log_level],
+    )
+    print(f"flyspec: starting {printable(command)}", flush=True)
+    exec_serve(command)
+    return 0  # pragma: no cover - exec does not return
 
 
 def default_model_name(target_arg: str | None, target_path: str) -> str:

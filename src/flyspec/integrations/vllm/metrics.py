@@ -55,6 +55,18 @@ def read_total(stats_dir: Path) -> int | None:
     return total if found else None
 
 
+def remove_counts_of_ended_processes(stats_dir: Path) -> None:
+    """Forget the counts of engines that have ended (an earlier ``LLM`` in the same front
+    end), so that the published total is this engine's, like vLLM's own counters."""
+    for path in stats_dir.glob("loose-*.json"):
+        try:
+            os.kill(int(path.stem.removeprefix("loose-")), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
+
+
 class LooseTokensCollector:
     """Prometheus collector of :data:`METRIC_NAME` for the process that serves metrics."""
 
@@ -107,8 +119,9 @@ class LooseCounter:
             first_rank = get_tensor_model_parallel_rank() == 0
         except (ImportError, AssertionError, RuntimeError):
             first_rank = True
-        path = choose_stats_dir() / f"loose-{os.getpid()}.json" if first_rank else None
-        return cls(path)
+        stats_dir = choose_stats_dir()
+        remove_counts_of_ended_processes(stats_dir)
+        return cls(stats_dir / f"loose-{os.getpid()}.json" if first_rank else None)
 
     def add(self, emitted_loose: torch.Tensor) -> None:
         """Count the loosely accepted positions that were emitted: ``bool[T]``."""

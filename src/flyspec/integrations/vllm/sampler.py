@@ -60,6 +60,8 @@ SEAM_PARAMETERS = (
 replaces (vLLM 0.32.0)."""
 
 SEAM_HELPERS = (
+    "apply_sampling_constraints",
+    "apply_top_k_top_p",
     "generate_uniform_probs",
     "sample_recovered_tokens",
     "_rejection_greedy_sample",
@@ -120,6 +122,29 @@ def expansion_is_correct(expand: Callable[..., torch.Tensor]) -> bool:
         if not torch.equal(got, expand_per_request(values, cu_num_tokens, 4, 0, 1)):
             return False
     return True
+
+
+def top_k_handles_empty_batches(apply_top_k_top_p: Callable[..., torch.Tensor]) -> bool:
+    """Whether vLLM's top-k/top-p masking accepts a step without draft tokens (zero rows);
+    vLLM 0.32.0's CPU path raises there (``max()`` of an empty tensor)."""
+    try:
+        apply_top_k_top_p(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int32), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def empty_batch_safe(apply_sampling_constraints: Callable[..., torch.Tensor]) -> Callable:
+    """vLLM's ``apply_sampling_constraints`` that leaves zero rows alone (there is nothing to
+    mask in a step without draft tokens)."""
+
+    def apply(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata)
+
+    apply.flyspec_original = apply_sampling_constraints
+    return apply
 
 
 class FlyVerifier:
@@ -249,18 +274,14 @@ def dispatching_rejection_sample(original: Callable[..., torch.Tensor]) -> Calla
     return rejection_sample
 
 
-def current_additional_config() -> dict:
-    """vLLM's ``additional_config`` of the engine being built (samplers are built inside
-    vLLM's ``set_current_vllm_config`` context)."""
+def current_additional_config() -> dict | None:
+    """vLLM's ``additional_config`` of the engine being built (vLLM builds its samplers
+    inside its ``set_current_vllm_config`` context), or None outside such a context (a
+    sampler built by hand): then only ``FLYSPEC_VLLM`` can switch FLy on."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
-    if config is None:
-        raise VllmPluginError(
-            "flyspec's FLy plugin could not read vLLM's configuration while the rejection "
-            "sampler was built (a vLLM version or model runner it was not tested on)"
-        )
-    return dict(config.additional_config or {})
+    return None if config is None else dict(config.additional_config or {})
 
 
 def build_verifier(spec_config) -> FlyVerifier | None:
@@ -300,6 +321,14 @@ def build_verifier(spec_config) -> FlyVerifier | None:
             "top-k/top-p on this platform; flyspec's FLy plugin expands them with torch"
         )
         vllm_rs.expand_batch_to_tokens = expand_per_request
+    if not top_k_handles_empty_batches(vllm_rs.apply_top_k_top_p) and not hasattr(
+        vllm_rs.apply_sampling_constraints, "flyspec_original"
+    ):
+        logger.warning(
+            "vLLM's top-k/top-p masking fails on a step without draft tokens on this "
+            "platform; flyspec's FLy plugin skips the masking of such empty steps"
+        )
+        vllm_rs.apply_sampling_constraints = empty_batch_safe(vllm_rs.apply_sampling_constraints)
     logger.info(
         "flyspec FLy on: window %d, theta %s, %s entropy (additional_config['%s'])",
         fly.window,

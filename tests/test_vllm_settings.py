@@ -1,0 +1,97 @@
+"""The vLLM plugin's settings and engine mapping, without vLLM (tests/vllm has the rest)."""
+
+import math
+
+import pytest
+
+from flyspec.config import FlyConfig
+from flyspec.errors import FlyspecError
+from flyspec.integrations.vllm import VllmPluginError, additional_config, parse_settings
+from flyspec.integrations.vllm.launch import VllmEngineSpec
+from flyspec.integrations.vllm.settings import section_from
+
+
+def test_no_section_leaves_verification_exact():
+    assert parse_settings(None) is None
+
+
+def test_an_empty_section_switches_fly_on_with_flyspec_defaults():
+    assert parse_settings({}) == FlyConfig()
+
+
+def test_upstream_names_map_onto_the_rule():
+    section = {
+        "rejection_sample_method": "fly",
+        "fly_window_size": 4,
+        "fly_entropy_threshold": 0.5,
+        "fly_entropy": "normalized",
+    }
+    assert parse_settings(section) == FlyConfig(window=4, theta=0.5, entropy="normalized")
+
+
+def test_standard_method_and_infinite_theta_are_exact():
+    assert parse_settings({"rejection_sample_method": "standard"}) is None
+    assert parse_settings({"fly_entropy_threshold": math.inf}) is None
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"window": 3}, "unknown key(s) in additional_config['flyspec']: window"),
+        ({"rejection_sample_method": "lossy"}, "rejection_sample_method must be one of"),
+        ({"fly_window_size": -1}, "window must be an integer >= 0, got -1"),
+        ({"fly_window_size": True}, "must be numbers"),
+        ({"fly_entropy_threshold": "high"}, "theta must be a number"),
+        ({"fly_entropy": "full"}, "entropy must be one of top3, normalized"),
+        ([1, 2], "must be an object"),
+    ],
+)
+def test_bad_settings_name_what_is_wrong(section, message):
+    with pytest.raises(VllmPluginError) as raised:
+        parse_settings(section)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_environment_is_a_fallback_only():
+    environ = {"FLYSPEC_VLLM": '{"fly_window_size": 3}'}
+    assert section_from({}, environ) == {"fly_window_size": 3}
+    assert section_from({"flyspec": {"fly_window_size": 5}}, environ) == {"fly_window_size": 5}
+    with pytest.raises(VllmPluginError, match="FLYSPEC_VLLM is not valid JSON"):
+        section_from({}, {"FLYSPEC_VLLM": "{window: 3"})
+
+
+def test_additional_config_round_trips():
+    fly = FlyConfig(window=5, theta=0.2, entropy="normalized")
+    assert parse_settings(additional_config(fly)["flyspec"]) == fly
+    assert parse_settings(additional_config(None)["flyspec"]) is None
+
+
+def test_engine_specs_map_modes_and_drafters():
+    spec = VllmEngineSpec(target="t", draft="d", mode="fly", k=7, fly=FlyConfig(window=2))
+    assert spec.speculative_config() == {
+        "method": "draft_model",
+        "model": "d",
+        "num_speculative_tokens": 7,
+    }
+    assert parse_settings(spec.additional_config()["flyspec"]) == FlyConfig(window=2)
+    exact = VllmEngineSpec(target="t", draft="d", mode="spd", k=7)
+    assert exact.additional_config() == {}
+    ngram = VllmEngineSpec(target="t", mode="spd", drafter="ngram", k=4)
+    assert ngram.speculative_config()["method"] == "ngram"
+    assert VllmEngineSpec(target="t", mode="target").speculative_config() is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"drafter": "mla"}, "runs in flyspec's own engine only"),
+        ({"draft": None}, "needs a draft model"),
+        ({"mode": "lossy"}, "mode must be one of"),
+        ({"tensor_parallel_size": 0}, "--tensor-parallel-size must be >= 1"),
+    ],
+)
+def test_engine_specs_refuse_what_vllm_cannot_run(kwargs, message):
+    with pytest.raises(FlyspecError) as raised:
+        VllmEngineSpec(**{"target": "t", "draft": "d", **kwargs})
+    assert message in str(raised.value)
