@@ -237,9 +237,15 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     return "\n".join(lines)
 
 
+def has_per_position(summary: Mapping) -> bool:
+    """Whether a method drafted, so that it has an acceptance at some draft position."""
+    return any(p is not None for p in summary.get("per_position_acceptance") or ())
+
+
 def markdown_report(report: Mapping) -> str:
     config = report["config"]
     env = report["environment"]
+    baseline = config.get("baseline", "target")
     lines = [
         f"# flyspec bench: {config['dataset']}",
         "",
@@ -249,15 +255,15 @@ def markdown_report(report: Mapping) -> str:
         f"draft {config['draft']}; {env['torch_threads']} torch threads, "
         f"MKL_CBWR={env['MKL_CBWR']}, {env['cpu_model']}, {env['date']}.",
         "",
-        markdown_table(report["methods"], baseline=config.get("baseline", "target")),
+        markdown_table(report["methods"], baseline=baseline),
         "",
-        f"Speedup: mean per-sample tokens/s over {config.get('baseline', 'the target')}'s. "
-        "tau: tokens per round. "
+        f"Speedup: mean per-sample tokens/s over {baseline}'s. tau: tokens per round. "
         "accepted / loosely: exact and loose acceptances per drafted token. "
-        "= target: outputs identical to the target's, token for token. "
-        "transformers' methods (hf-*) report speed only.",
+        f"= {baseline}: outputs identical to {baseline}'s, token for token"
+        + ("" if baseline == "target" else " (flyspec's methods: to flyspec's target)")
+        + ". transformers' methods (hf-*) report speed only.",
     ]
-    per_position = [s for s in report["methods"] if s.get("per_position_acceptance")]
+    per_position = [s for s in report["methods"] if has_per_position(s)]
     if per_position:
         k = len(per_position[0]["per_position_acceptance"])
         lines += [
@@ -307,7 +313,7 @@ def write_plots(report: Mapping, folder: Path) -> list[str]:
     save(figure, SPEEDUP_PLOT)
 
     speculative = [s for s in summaries if s.get("tokens_per_round_histogram") and s["drafted"]]
-    by_position = [s for s in summaries if s.get("per_position_acceptance")]
+    by_position = [s for s in summaries if has_per_position(s)]
     if speculative:
         figure, axes = plt.subplots(figsize=(7, 3.6))
         width = 0.8 / len(speculative)
