@@ -45,11 +45,21 @@ def assert_one_line_error(code, err, fragment):
         (["generate", "x", "--drafter", "mla", "--draft-temperature", "1"], "mla drafter"),
         (["generate", "x", "--draft-confidence", "1"], "draft_confidence must be"),
         (["generate", "x", "--draft-confidence", "nan"], "draft_confidence must be"),
+        (["bench", "--methods", "fly,vllm-fly"], "vllm-fly run in vLLM: add --engine vllm"),
+        (["bench", "--engine", "vllm", "--concurrency", "0"], "--concurrency must be >= 1"),
     ],
 )
 def test_bad_settings_give_one_line_errors(capsys, arguments, fragment):
     code, _, err = run_cli(capsys, *arguments)
     assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench"]])
+def test_engine_vllm_without_vllm_says_how_to_install_it(capsys, monkeypatch, command):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    code, _, err = run_cli(capsys, *command, "--engine", "vllm")
+    assert_one_line_error(code, err, "vLLM is not installed in this environment")
+    assert "scripts/setup.sh --vllm" in err
 
 
 def test_unknown_mode_is_a_usage_error(capsys):

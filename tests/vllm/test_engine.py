@@ -254,3 +254,30 @@ def test_serve_answers_an_openai_chat_request_and_publishes_the_count(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_fly_runs_with_the_ngram_proposer(prompts_ids):
+    """Prompt-lookup drafts (no draft model, variable-length proposals): greedy and sampled
+    requests complete with FLy on, and the speculative rounds ran."""
+    llm = engine(
+        additional_config(FlyConfig()),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1,
+        },
+        max_num_seqs=4,
+    )
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_ids[:4]]
+        params = [
+            SamplingParams(temperature=t, top_k=20, max_tokens=64, seed=i)
+            for i, t in enumerate([0.0, 0.0, 0.8, 1.0])
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = read_spec_decode_stats(llm)
+    finally:
+        close(llm)
+    assert all(output.outputs[0].token_ids for output in outputs)
+    assert stats.rounds > 0 and stats.drafted > 0

@@ -153,6 +153,9 @@ def run_bench(args: argparse.Namespace) -> int:
         args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS),
         baseline="vllm-target" if vllm_engine else "target",
     )
+    in_vllm = [name for name in methods if name in VLLM_METHOD_NAMES]
+    if in_vllm and not vllm_engine:
+        raise FlyspecError(f"{', '.join(in_vllm)} run in vLLM: add --engine vllm")
     config = cli.decode_config_from_args(args)
     if args.threads is not None:
         set_torch_threads(args.threads)
