@@ -95,3 +95,47 @@ def test_engine_specs_refuse_what_vllm_cannot_run(kwargs, message):
     with pytest.raises(FlyspecError) as raised:
         VllmEngineSpec(**{"target": "t", "draft": "d", **kwargs})
     assert message in str(raised.value)
+
+
+def test_vllm_stats_are_per_request_differences_of_running_totals():
+    from flyspec.bench.vllm import VllmStats
+
+    before = VllmStats(rounds=3, drafted=45, accepted_with_loose=30, loosely_accepted=1)
+    after = VllmStats(
+        rounds=5,
+        drafted=75,
+        accepted_with_loose=52,
+        loosely_accepted=2,
+        accepted_per_position=(5, 4),
+    )
+    request = after - before
+    assert request.as_dict() == {
+        "rounds": 2,
+        "drafted": 30,
+        "accepted": 21,
+        "loosely_accepted": 1,
+        "tau": 12.0,
+    }
+    assert request.accepted_per_position == (5, 4)
+    assert (request + before).accepted_with_loose == 52
+    assert request.per_position_acceptance() == [2.5, 2.0]
+
+
+def test_a_vllm_summary_pools_its_requests():
+    from flyspec.bench.methods import SampleRun
+    from flyspec.bench.vllm import VllmRuns, VllmStats, summarise_vllm_runs
+
+    stats = VllmStats(rounds=2, drafted=30, accepted_with_loose=20, loosely_accepted=2)
+    runs = VllmRuns(
+        "vllm-fly", {"mode": "fly"}, 33.3, [SampleRun([1] * 22, 2.0, stats)] * 2, (88, 4.0)
+    )
+    records = [
+        {"tokens_per_second": 11.0, "new_tokens": 22, "seconds": 2.0, "identical_to_target": False}
+    ] * 2
+    summary = summarise_vllm_runs(runs, records, [5.5, 5.5], k=15)
+    assert summary["speedup"] == 2.0
+    assert summary["tau"] == 11.0
+    assert summary["accepted"] == 36 and summary["loosely_accepted"] == 4
+    assert summary["loose_acceptance_rate"] == round(4 / 60, 4)
+    assert summary["concurrent_tokens_per_second"] == 22.0
+    assert summary["kind"] == "vllm" and summary["engine_start_seconds"] == 33.3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -184,7 +185,7 @@ def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp:
     report whose speedups are over vllm-target."""
     from flyspec import cli
     from flyspec.bench.prompts import encode_prompts
-    from flyspec.bench.report import decoding_settings, environment
+    from flyspec.bench.report import decoding_settings, environment, sample_records
     from flyspec.bench.vllm import make_vllm_methods, run_vllm_methods, summarise_vllm_runs
     from flyspec.models import load_tokenizer
 
@@ -211,18 +212,20 @@ def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp:
         progress=args.progress,
     )
     baseline = runs[0]  # vllm-target: parse_methods puts the baseline first
-    summaries, samples = [], {}
-    for run in runs:
-        summary, records = summarise_vllm_runs(
-            run,
+    samples = {
+        run.name: sample_records(
             prompts,
             prompts_ids,
-            baseline,
-            k=config.k,
+            run.samples,
+            baseline.samples,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
-        summaries.append(summary)
-        samples[run.name] = records
+        for run in runs
+    }
+    vllm_target_speed = [r["tokens_per_second"] for r in samples[baseline.name]]
+    summaries = [
+        summarise_vllm_runs(run, samples[run.name], vllm_target_speed, k=config.k) for run in runs
+    ]
     report = {
         "config": {
             "dataset": dataset,
@@ -251,7 +254,6 @@ def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp:
         own = run_benchmark(
             engine, prompts, flyspec_names, config, progress=args.progress, dataset=dataset
         )
-        vllm_target_speed = [r["tokens_per_second"] for r in samples[baseline.name]]
         for summary in own["methods"]:
             summary["speedup_over_target"] = summary["speedup"]
             summary["speedup"] = _speedup_over(summary, own["samples"], vllm_target_speed)
@@ -270,7 +272,7 @@ def _speedup_over(summary: dict, samples: dict, baseline_speed: list[float]) -> 
 
     speed = [r["tokens_per_second"] for r in samples[summary["method"]]]
     value = mean_speedup(speed, baseline_speed)
-    return None if value != value else round(value, 4)  # nan: no baseline
+    return None if math.isnan(value) else round(value, 4)  # nan: no baseline
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[BenchPrompt], str, bool]:

@@ -254,26 +254,18 @@ def say(message: str) -> None:
 
 def summarise_vllm_runs(
     runs: VllmRuns,
-    prompts,
-    prompts_ids: Sequence[Sequence[int]],
-    baseline: VllmRuns,
+    records: Sequence[dict],
+    baseline_tokens_per_second: Sequence[float],
     *,
     k: int,
-    decode,
-) -> tuple[dict, list[dict]]:
-    """One vLLM method's summary (as :func:`~flyspec.bench.report.summarise_method`, plus
-    tau, acceptance and loosely accepted tokens from vLLM's metrics, and the throughput with
-    several requests in flight) and its per-sample records, compared with ``baseline``."""
-    from flyspec.bench.report import sample_records, summarise_method
+) -> dict:
+    """One vLLM method's summary from its per-sample records (as
+    :func:`~flyspec.bench.report.summarise_method`), plus tau, acceptance and loosely accepted
+    tokens from vLLM's metrics, and the throughput with several requests in flight."""
+    from flyspec.bench.report import summarise_method
 
-    records = sample_records(prompts, prompts_ids, runs.samples, baseline.samples, decode=decode)
     summary = summarise_method(
-        runs.name,
-        records,
-        None,
-        [len(s.token_ids) / s.seconds if s.seconds > 0 else 0.0 for s in baseline.samples],
-        k=k,
-        settings=runs.settings,
+        runs.name, records, None, baseline_tokens_per_second, k=k, settings=runs.settings
     )
     summary["kind"] = "vllm"
     summary["engine_start_seconds"] = round(runs.start_seconds, 1)
@@ -293,4 +285,4 @@ def summarise_vllm_runs(
     if runs.concurrent is not None:
         tokens, seconds = runs.concurrent
         summary["concurrent_tokens_per_second"] = round(tokens / seconds, 4)
-    return summary, records
+    return summary

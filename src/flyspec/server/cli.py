@@ -74,12 +74,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from flyspec.errors import FlyspecError
 
     defaults = decode_config_from_args(args)
-    if args.engine == "vllm":
-        return run_vllm_serve(args, defaults)
-    if args.queue_size < 0:
-        raise FlyspecError(f"--queue-size must be >= 0, got {args.queue_size}")
-    if not args.request_timeout > 0:
-        raise FlyspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise FlyspecError(f"--port must be in 0..65535, got {args.port}")
     if args.no_draft and defaults.uses_draft_model:
@@ -87,6 +81,12 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--no-draft cannot serve the default mode {defaults.mode!r} with the "
             f"{defaults.drafter!r} drafter; add --mode target or --drafter ngram"
         )
+    if args.engine == "vllm":
+        return run_vllm_serve(args, defaults)
+    if args.queue_size < 0:
+        raise FlyspecError(f"--queue-size must be >= 0, got {args.queue_size}")
+    if not args.request_timeout > 0:
+        raise FlyspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
 
     try:
         import uvicorn
@@ -127,10 +127,6 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     from flyspec.errors import FlyspecError
     from flyspec.integrations.vllm.launch import exec_serve, printable, serve_command
 
-    if not 0 <= args.port <= 65535:
-        raise FlyspecError(f"--port must be in 0..65535, got {args.port}")
-    if args.no_draft and defaults.uses_draft_model:
-        raise FlyspecError("--no-draft needs --mode target or --drafter ngram")
     if defaults.stop or defaults.draft_temperature or defaults.draft_confidence:
         raise FlyspecError(
             "--stop, --draft-temperature and --draft-confidence are not mapped onto vLLM "
