@@ -25,7 +25,7 @@ def configure_cpu_math() -> None:
     """Pin MKL to its AVX2 code path on AVX2 CPUs unless the user chose one.
 
     DESIGN.md section 6 recorded a 16-token forward of the 1.5B target at 2.1x a 1-token forward
-    with ``MKL_CBWR=AVX2`` against 3.3x by default. Remeasured in this project's first session
+    with ``MKL_CBWR=AVX2`` against 3.3x by default. Remeasured on one 2-core machine
     (one 16-token forward on a ~200-token cache, torch's default float32 kernels, 2 threads,
     ``MKL_CBWR`` set in the environment of each run): 508 ms with AVX2, 479 ms with AUTO,
     594 ms unset, so the gain is small here; and with the default
