@@ -6,6 +6,11 @@ requests ended::
 
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --requests 40 --concurrency 8
 
+With ``--retries N`` a request refused with 429/503 waits as long as the response's
+``Retry-After`` asks (at most ``--max-retry-wait`` seconds) and is sent again, up to N times:
+the report then gives both the refusal rate (refused attempts over all attempts) and the
+goodput (completed requests and their tokens per second).
+
 Exit status: 0 when every request completed or was refused with 429/503 (a busy server is
 not a failure); 1 on any other 5xx, on any other 4xx, on a transport error, on a stream that
 ended with an error chunk, or on a request still unfinished at the time limit; 2 on bad usage.
@@ -18,6 +23,7 @@ import asyncio
 import ipaddress
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -41,6 +47,9 @@ class Outcome:
     completion_tokens: int = 0
     tau: float | None = None
     detail: str = ""
+    retry_after: float | None = None  # seconds the server asked to wait (refusals only)
+    attempts: int = 1
+    refusals: int = 0  # attempts refused with 429/503, this one included if it is a refusal
 
 
 @dataclass
@@ -68,8 +77,12 @@ class Report:
         tokens = sum(o.completion_tokens for o in ok)
         wall = self.wall_seconds or math.nan
         statuses = Counter(str(o.status) for o in self.outcomes if o.status is not None)
+        attempts = sum(o.attempts for o in self.outcomes)
+        refusals = sum(o.refusals for o in self.outcomes)
         return {
             "requests": len(self.outcomes) + self.unfinished,
+            "attempts": attempts,
+            "refusal_rate": round(refusals / attempts, 4) if attempts else None,
             "counts": {
                 "2xx": self.counts["ok"],
                 "429": self.counts["busy_429"],
@@ -82,8 +95,8 @@ class Report:
             },
             "statuses": dict(sorted(statuses.items())),
             "wall_seconds": round(self.wall_seconds, 3),
-            "throughput_requests_per_second": round(len(ok) / wall, 3),
-            "throughput_tokens_per_second": round(tokens / wall, 3),
+            "goodput_requests_per_second": round(len(ok) / wall, 3),
+            "goodput_tokens_per_second": round(tokens / wall, 3),
             "completion_tokens": tokens,
             "latency_seconds": _percentiles(latencies),
             "first_token_seconds": _percentiles(first_tokens) if first_tokens else None,
@@ -135,7 +148,31 @@ def build_payload(args: argparse.Namespace, index: int) -> dict:
     return payload
 
 
+async def request_with_retries(
+    client: httpx.AsyncClient,
+    path: str,
+    payload: dict,
+    *,
+    retries: int = 0,
+    max_retry_wait: float = 30.0,
+) -> Outcome:
+    """One request, sent again up to ``retries`` times after a 429/503, each time after the
+    wait its ``Retry-After`` asks for (1 s where it gives none, at most ``max_retry_wait``)."""
+    refusals = 0
+    for attempt in range(1, retries + 2):
+        outcome = await one_request(client, path, payload)
+        refused = outcome.kind in ("busy_429", "busy_503")
+        refusals += refused
+        if not refused or attempt > retries:
+            break
+        wait = 1.0 if outcome.retry_after is None else outcome.retry_after
+        await asyncio.sleep(min(max(wait, 0.0), max_retry_wait))
+    outcome.attempts, outcome.refusals = attempt, refusals
+    return outcome
+
+
 async def one_request(client: httpx.AsyncClient, path: str, payload: dict) -> Outcome:
+    """One attempt: how the server answered ``payload`` at ``path``."""
     started = time.perf_counter()
     try:
         if payload["stream"]:
@@ -145,7 +182,7 @@ async def one_request(client: httpx.AsyncClient, path: str, payload: dict) -> Ou
         return Outcome("transport", seconds=time.perf_counter() - started, detail=repr(error))
     seconds = time.perf_counter() - started
     if response.status_code != 200:
-        return _refused(response.status_code, seconds, response.text)
+        return _refused(response, seconds, response.text)
     body = response.json()
     return Outcome(
         "ok",
@@ -162,7 +199,7 @@ async def _streamed(client: httpx.AsyncClient, path: str, payload: dict, started
     async with client.stream("POST", path, json=payload) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
-            return _refused(response.status_code, time.perf_counter() - started, text)
+            return _refused(response, time.perf_counter() - started, text)
         done = False
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -198,13 +235,23 @@ async def _streamed(client: httpx.AsyncClient, path: str, payload: dict, started
     )
 
 
-def _refused(status: int, seconds: float, text: str) -> Outcome:
-    if status == 429:
-        return Outcome("busy_429", status=status, seconds=seconds)
-    if status == 503:
-        return Outcome("busy_503", status=status, seconds=seconds)
+def _refused(response: httpx.Response, seconds: float, text: str) -> Outcome:
+    status = response.status_code
+    if status in (429, 503):
+        kind = "busy_429" if status == 429 else "busy_503"
+        return Outcome(
+            kind, status=status, seconds=seconds, retry_after=_retry_after(response), refusals=1
+        )
     kind = "server_error" if status >= 500 else "client_error"
     return Outcome(kind, status=status, seconds=seconds, detail=f"{status}: {text[:200]}")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The ``Retry-After`` header in seconds (delay-seconds form), or None."""
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
 
 
 async def run(args: argparse.Namespace) -> Report:
@@ -214,12 +261,21 @@ async def run(args: argparse.Namespace) -> Report:
     gate = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=0)
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-
-    async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with httpx.AsyncClient(
+        base_url=args.url, timeout=timeout, limits=limits, headers=headers
+    ) as client:
 
         async def worker(index: int) -> None:
             async with gate:
-                report.outcomes.append(await one_request(client, path, build_payload(args, index)))
+                outcome = await request_with_retries(
+                    client,
+                    path,
+                    build_payload(args, index),
+                    retries=args.retries,
+                    max_retry_wait=args.max_retry_wait,
+                )
+                report.outcomes.append(outcome)
 
         started = time.perf_counter()
         tasks = [asyncio.create_task(worker(i)) for i in range(args.requests)]
@@ -253,6 +309,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-k", "--k", type=int)
     parser.add_argument("--window", type=int)
     parser.add_argument("--theta", type=float)
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="send a request refused with 429/503 again after its Retry-After, up to this many "
+        "times (default 0: a refusal ends the request)",
+    )
+    parser.add_argument(
+        "--max-retry-wait", type=float, default=30.0, help="longest wait before a retry (30 s)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("FLYSPEC_API_KEY"),
+        help="sent as a Bearer token (default: $FLYSPEC_API_KEY)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
     args = parser.parse_args(argv)
     if not is_loopback(args.url):
@@ -262,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1")
     if not args.time_limit > 0 or not args.request_timeout > 0:
         parser.error("--time-limit and --request-timeout must be > 0")
+    if args.retries < 0 or not args.max_retry_wait >= 0:
+        parser.error("--retries and --max-retry-wait must be >= 0")
     return args
 
 
@@ -271,7 +344,7 @@ def print_report(summary: dict, args: argparse.Namespace) -> None:
     print(
         f"{summary['requests']} requests to {args.url} ({args.endpoint}"
         f"{', stream' if args.stream else ''}), concurrency {args.concurrency}, "
-        f"max_tokens {args.max_tokens}"
+        f"max_tokens {args.max_tokens}, retries {args.retries}"
     )
     print(
         f"  ended: 2xx {counts['2xx']}, 429 {counts['429']}, 503 {counts['503']}, "
@@ -280,8 +353,14 @@ def print_report(summary: dict, args: argparse.Namespace) -> None:
         f"{counts['stream_errors']}, unfinished {counts['unfinished']}"
     )
     print(
-        f"  wall {summary['wall_seconds']:.2f}s: {summary['throughput_requests_per_second']:.2f}"
-        f" req/s, {summary['throughput_tokens_per_second']:.1f} completion tok/s "
+        f"  {summary['attempts']} attempts, refusal rate {summary['refusal_rate']:.1%}"
+        if summary["attempts"]
+        else "  no attempt ended"
+    )
+    goodput = summary["goodput_requests_per_second"]
+    print(
+        f"  wall {summary['wall_seconds']:.2f}s: goodput {goodput:.2f} req/s, "
+        f"{summary['goodput_tokens_per_second']:.1f} completion tok/s in all "
         f"({summary['completion_tokens']} tokens), mean tau {summary['mean_tau']}"
     )
     print(

@@ -1,5 +1,6 @@
 """The command line: one-line errors for bad input, and generate end to end on a tiny pair."""
 
+import io
 import json
 import subprocess
 import sys
@@ -47,6 +48,13 @@ def assert_one_line_error(code, err, fragment):
         (["generate", "x", "--draft-confidence", "nan"], "draft_confidence must be"),
         (["bench", "--methods", "fly,vllm-fly"], "vllm-fly run in vLLM: add --engine vllm"),
         (["bench", "--engine", "vllm", "--concurrency", "0"], "--concurrency must be >= 1"),
+        (["generate", "x", "--seed", str(2**64)], "seed must be an integer in [0, 2**63 - 1]"),
+        (["generate", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63 - 1]"),
+        (["generate", "\udcff"], "the prompt is not valid UTF-8: byte 0xff at offset 0"),
+        (
+            ["generate", "x", "--dtype", "bfloat16", "--target-quant", "int8"],
+            "choose one (--dtype float32, or --target-quant none)",
+        ),
     ],
 )
 def test_bad_settings_give_one_line_errors(capsys, arguments, fragment):
@@ -114,6 +122,33 @@ def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
     assert code == 0
     assert out.endswith("\n")
     assert "tokens in" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("data", [b"def \xff", b"def \xc3", b"\xed\xa0\x80"])
+def test_invalid_utf8_on_standard_input_is_a_one_line_error(capsys, monkeypatch, data):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code, _, err = run_cli(capsys, "generate", "-")
+    assert_one_line_error(code, err, "standard input is not valid UTF-8: byte 0x")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_target_with_the_default_int8_draft(capsys, tiny_pair, dtype):
+    code, out, err = generate_on_tiny_pair(
+        capsys, tiny_pair, "--dtype", dtype, "--max-new-tokens", "6", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["stats"]["emitted"] == 6
+    assert "draft: int8" in err
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "1e-100", "1e-40", "1e-6"])
+def test_temperatures_too_small_to_divide_by_decode_greedily(capsys, tiny_pair, temperature):
+    greedy = json.loads(generate_on_tiny_pair(capsys, tiny_pair, "--json")[1])
+    code, out, err = generate_on_tiny_pair(
+        capsys, tiny_pair, "--temperature", temperature, "--seed", "1", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == greedy["token_ids"]
 
 
 def test_installed_entry_point_reports_errors_without_traceback():

@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.config import (
+    FORWARD_PATHS,
+    MIN_TEMPERATURE,
+    DecodeConfig,
+    FlyConfig,
+    SamplingConfig,
+)
 from flyspec.decode import SpeculativeDecoder
 from flyspec.drafters import MlaDrafter, ModelDrafter, NgramDrafter
 from flyspec.models.cache import CachedLM, TransformersForward, crop_cache
@@ -168,6 +174,29 @@ def test_sampling_is_reproducible_with_a_seed(target, draft):
     first = run(decoder, PROMPTS[0], config)
     assert first == run(decoder, PROMPTS[0], config)
     assert len(first) == 20
+
+
+@pytest.mark.parametrize("exponent", [-320, -300, -200, -100, -45, -40, -20, -10, -6])
+def test_temperatures_too_small_to_divide_by_are_greedy(target, draft, exponent):
+    """Across the float range down to subnormals, a positive temperature below
+    MIN_TEMPERATURE decodes exactly as temperature 0 does, in every mode."""
+    temperature = 10.0**exponent
+    assert 0 < temperature < MIN_TEMPERATURE
+    decoder = SpeculativeDecoder(target, draft)
+    for mode in ("target", "spd", "fly"):
+        greedy = DecodeConfig(mode=mode, k=4, max_new_tokens=12)
+        tiny = greedy.with_updates(
+            sampling=SamplingConfig(temperature=temperature, seed=3),
+            draft_temperature=temperature,
+        )
+        assert tiny.sampling.greedy and tiny.draft_temperature == 0
+        assert run(decoder, PROMPTS[0], tiny) == run(decoder, PROMPTS[0], greedy)
+
+
+def test_smallest_sampled_temperature_stays_finite(target):
+    logits = target(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float() * 100
+    probs = sampling_probs(logits, SamplingConfig(temperature=MIN_TEMPERATURE))
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
 
 
 def test_speculative_sampling_keeps_the_targets_distribution(target, draft):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -280,7 +281,10 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
     import torch
 
     from flyspec.engine import Engine
+    from flyspec.kernels import apply_cpu_kernels, check_target_quant
 
+    if args.device == "cpu":
+        check_target_quant(args.target_quant, getattr(torch, args.dtype))
     started = time.perf_counter()
     _say(f"loading models{' (target only)' if not with_draft else ''} ...")
     engine = Engine.load(
@@ -291,8 +295,6 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
         dtype=getattr(torch, args.dtype),
         forward_path=args.forward,
     )
-    from flyspec.kernels import apply_cpu_kernels
-
     kernels = apply_cpu_kernels(
         engine, linear=args.linear, draft_quant=args.draft_quant, target_quant=args.target_quant
     )
@@ -306,7 +308,7 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
 
 def run_generate(args: argparse.Namespace) -> int:
     config = decode_config_from_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise FlyspecError("the prompt is empty")
     engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
@@ -350,6 +352,19 @@ def run_generate(args: argparse.Namespace) -> int:
             f"({stats.tokens_per_second:.2f} vs {baseline.stats.tokens_per_second:.2f} tok/s)"
         )
     return 0
+
+
+def read_prompt(argument: str) -> str:
+    """The prompt given on the command line, or standard input's for ``-``, as UTF-8 text
+    (FlyspecError naming the first invalid byte otherwise)."""
+    source = "standard input" if argument == "-" else "the prompt"
+    data = sys.stdin.buffer.read() if argument == "-" else os.fsencode(argument)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FlyspecError(
+            f"{source} is not valid UTF-8: byte 0x{data[error.start]:02x} at offset {error.start}"
+        ) from None
 
 
 def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:

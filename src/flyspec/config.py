@@ -34,6 +34,10 @@ DEFAULT_THETA = 0.3
 DEFAULT_MAX_NGRAM = 4
 DEFAULT_MLA_PROPOSALS = 6
 DEFAULT_MAX_NEW_TOKENS = 128
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy: logits divided by them overflow float32 (vLLM treats
+temperatures below the same value as greedy)."""
+MAX_SEED = 2**63 - 1
 
 LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")
@@ -74,7 +78,8 @@ class FlyConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the target's tokens are chosen; temperature 0 means greedy."""
+    """How the target's tokens are chosen; temperature 0 (or below :data:`MIN_TEMPERATURE`)
+    means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -96,10 +101,22 @@ class SamplingConfig:
             isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
+        _check(
+            self.seed is None
+            or (isinstance(self.seed, int) and not isinstance(self.seed, bool))
+            and 0 <= self.seed <= MAX_SEED,
+            f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}",
+        )
+        object.__setattr__(self, "temperature", _greedy_below_minimum(self.temperature))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _greedy_below_minimum(temperature: float) -> float:
+    """``temperature``, or 0.0 (greedy) where it is below :data:`MIN_TEMPERATURE`."""
+    return 0.0 if temperature < MIN_TEMPERATURE else temperature
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,7 @@ class DecodeConfig:
             and self.draft_temperature >= 0,
             f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
         )
+        object.__setattr__(self, "draft_temperature", _greedy_below_minimum(self.draft_temperature))
         _check(
             isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
             f"draft_confidence must be in [0, 1) (0 = off), got {self.draft_confidence!r}",

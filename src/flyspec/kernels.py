@@ -203,6 +203,16 @@ def quantize_int8(model):
         )
 
 
+def check_target_quant(target_quant: str, dtype: torch.dtype) -> None:
+    """FlyspecError where ``target_quant`` would quantise a target that is not float32."""
+    if target_quant != "none" and dtype != torch.float32:
+        name = str(dtype).removeprefix("torch.")
+        raise FlyspecError(
+            f"target_quant={target_quant} quantises float32 weights, but the target's dtype is "
+            f"{name}: choose one (--dtype float32, or --target-quant none)"
+        )
+
+
 def apply_cpu_kernels(
     engine, *, linear: str = "onednn", draft_quant: str = "int8", target_quant: str = "none"
 ) -> dict:
@@ -210,7 +220,9 @@ def apply_cpu_kernels(
 
     Must run after the engine is built (its decoder has read the vocabulary size from the
     target's output layer). Quantisation comes first; the float32 Linear layers left are then
-    packed for oneDNN. Nothing changes on other devices.
+    packed for oneDNN. A quantised draft is made from float32 weights whatever the target's
+    dtype; a quantised target needs float32 weights (FlyspecError otherwise). Nothing changes
+    on other devices.
     """
     for name, value, choices in (
         ("linear", linear, LINEAR_KERNELS),
@@ -228,6 +240,13 @@ def apply_cpu_kernels(
         if model is None or next(model.parameters()).device.type != "cpu":
             done[f"{role}_packed_layers"] = 0
             continue
+        dtype = next(model.parameters()).dtype
+        if role == "target":
+            check_target_quant(quant, dtype)
+        elif quant != "none" and dtype != torch.float32:
+            # The draft's numbers never change what exact SPD emits: it is quantised from
+            # float32 whatever the target's dtype (token ids are all the two models share).
+            model.float()
         if quant == "int8":
             quantize_int8(model)
         elif quant == "fp16":
