@@ -11,6 +11,7 @@ from flyspec.bench.methods import DEFAULT_METHODS, IN_PROCESS_METHODS, parse_met
 from flyspec.bench.prompts import BenchPrompt, build_prompt, encode_prompt, read_prompts_file
 from flyspec.bench.report import (
     first_divergence,
+    markdown_report,
     markdown_table,
     per_position_acceptance,
     tokens_per_round_histogram,
@@ -192,6 +193,109 @@ def test_bench_command_end_to_end(tiny_pair, tmp_path, capsys):
         assert f"| {name} |" in table
     for plot in ("speedup.png", "tokens-per-round.png", "acceptance-by-position.png"):
         assert (output / plot).read_bytes().startswith(PNG_MAGIC), plot
+
+
+def test_repeats_keep_every_sample_and_report_medians_with_ranges(tiny_engine):
+    config = DecodeConfig(k=3, max_new_tokens=6)
+    methods = ["target", "spd", "fly"]
+    report = run_benchmark(tiny_engine, PROMPTS, methods, config, progress=False, repeats=3)
+    assert report["config"]["repeats"] == 3
+    assert report["config"]["method_order_per_repeat"] == [
+        ["target", "spd", "fly"],
+        ["spd", "fly", "target"],
+        ["fly", "target", "spd"],
+    ]
+    for name in methods:
+        records = report["samples"][name]
+        assert len(records) == 3 * len(PROMPTS)
+        assert sorted({r["repeat"] for r in records}) == [0, 1, 2]
+        summary = next(s for s in report["methods"] if s["method"] == name)
+        assert summary["repeats"] == 3 and summary["samples"] == 6
+        speed, speedup = summary["tokens_per_second_spread"], summary["speedup_spread"]
+        assert speed["repeats"] == speedup["repeats"] == 3
+        assert speed["low"] <= summary["tokens_per_second"] == speed["median"] <= speed["high"]
+        assert speedup["low"] <= summary["speedup"] <= speedup["high"]
+        assert isinstance(summary["unstable_prompts"], list)
+    target = next(s for s in report["methods"] if s["method"] == "target")
+    assert target["speedup_spread"]["low"] == target["speedup_spread"]["high"] == 1.0
+    assert next(s for s in report["methods"] if s["method"] == "spd")["identical_to_target"] == 6
+    load = report["machine_load"]
+    assert set(load) >= {"others_cpu_fraction", "load_average", "busy", "busy_threshold"}
+    assert len(report["machine_load_per_repeat"]) == 3
+    assert report["environment"]["machine"]["vector_extensions"] is not None
+    text = markdown_report({**report, "config": {**report["config"], "chat": False}})
+    assert "medians over 3 repeats" in text and "Machine load during the run" in text
+    assert " (" in markdown_table(report["methods"])  # ranges next to the medians
+
+
+def test_unstable_prompts_are_flagged():
+    from flyspec.bench.report import unstable_prompts
+
+    samples = [{"prompt_id": "a", "tokens_per_second": v} for v in (10.0, 10.2, 9.9)] + [
+        {"prompt_id": "b", "tokens_per_second": v} for v in (10.0, 5.1, 9.8)
+    ]
+    flagged = unstable_prompts(samples)
+    assert [f["prompt_id"] for f in flagged] == ["b"]
+    assert flagged[0]["tokens_per_second"]["low"] == 5.1
+
+
+def test_bench_repeats_and_compare_on_the_command_line(tiny_pair, tmp_path, capsys):
+    draft, target = tiny_pair
+    common = ["bench", "--target", str(target), "--draft", str(draft), "--dataset", "humaneval"]
+    common += ["--limit", "2", "-k", "3", "--max-new-tokens", "6", "--no-progress"]
+    common += ["--methods", "target,fly"]
+    assert main([*common, "--output", str(tmp_path / "old")]) == 0
+    capsys.readouterr()
+    code = main(
+        [
+            *common,
+            "--repeats",
+            "2",
+            "--output",
+            str(tmp_path / "new"),
+            "--compare",
+            str(tmp_path / "old"),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "Compared with" in captured.out and "| fly |" in captured.out
+    assert "new/old" in captured.out
+    assert "flyspec: machine:" in captured.err and "during the run other processes" in captured.err
+    new = json.loads((tmp_path / "new" / "bench.json").read_text())
+    assert len(new["samples"]["fly"]) == 4
+
+
+def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
+    from flyspec.bench.compare import compare_reports
+
+    old = {"methods": [{"method": "fly", "tokens_per_second": 10.0, "speedup": 2.0}]}
+    new = {
+        "methods": [
+            {
+                "method": "fly",
+                "tokens_per_second": 14.0,
+                "tokens_per_second_spread": {
+                    "median": 14.0,
+                    "low": 13.8,
+                    "high": 14.1,
+                    "repeats": 3,
+                },
+                "speedup": 2.05,
+                "speedup_spread": {"median": 2.05, "low": 2.0, "high": 2.1, "repeats": 3},
+            },
+            {"method": "spd", "tokens_per_second": 9.0, "speedup": 1.8},
+        ]
+    }
+    [(method, speed, speedup)] = compare_reports(old, new)
+    assert method == "fly" and speed.ratio == pytest.approx(1.4) and speed.verdict == "faster"
+    assert speedup.verdict == "~"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for path in (bad, tmp_path / "missing.json"):
+        code = main(["bench", "--compare", str(path), "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and "--compare:" in err and "Traceback" not in err
 
 
 def test_bench_rejects_unknown_methods(tiny_pair, capsys):

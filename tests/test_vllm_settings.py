@@ -130,8 +130,15 @@ def test_a_vllm_summary_pools_its_requests():
         "vllm-fly", {"mode": "fly"}, 33.3, [SampleRun([1] * 22, 2.0, stats)] * 2, (88, 4.0)
     )
     records = [
-        {"tokens_per_second": 11.0, "new_tokens": 22, "seconds": 2.0, "identical_to_target": False}
-    ] * 2
+        {
+            "prompt_id": f"p{index}",
+            "tokens_per_second": 11.0,
+            "new_tokens": 22,
+            "seconds": 2.0,
+            "identical_to_target": False,
+        }
+        for index in range(2)
+    ]
     summary = summarise_vllm_runs(runs, records, [5.5, 5.5], k=15)
     assert summary["speedup"] == 2.0
     assert summary["tau"] == 11.0

@@ -115,7 +115,20 @@ def add_parser(commands) -> argparse.ArgumentParser:
     cost.add_argument(
         "--context-tokens", type=int, default=200, help="KV cache length (default 200)"
     )
-    cost.add_argument("--repeats", type=int, default=5, help="timed repeats per n (default 5)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="passes over the prompts, each running every method once per prompt in a rotated "
+        "order (default 1); speeds and speedups are then medians with their range. With "
+        "--forward-cost: timed repeats per n (default 5)",
+    )
+    bench.add_argument(
+        "--compare",
+        metavar="OLD_BENCH_JSON",
+        help="after the run, print each method's new/old speed ratio against this earlier "
+        "bench.json, marking changes larger than the noise",
+    )
     bench.set_defaults(handler=run_bench)
     return bench
 
@@ -136,8 +149,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FlyspecError(f"--limit must be >= 1, got {args.limit}")
     if args.threads is not None and args.threads < 1:
         raise FlyspecError(f"--threads must be >= 1, got {args.threads}")
-    if args.repeats < 1 or args.context_tokens < 1:
+    if (args.repeats is not None and args.repeats < 1) or args.context_tokens < 1:
         raise FlyspecError("--repeats and --context-tokens must be >= 1")
+    if args.engine == "vllm" and (args.repeats or 1) > 1:
+        raise FlyspecError("--repeats is not supported with --engine vllm yet; drop one")
+    if args.compare:
+        from flyspec.bench.compare import read_bench
+
+        read_bench(args.compare)  # a bad file is refused before any model loads
     if args.concurrency < 1:
         raise FlyspecError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.engine == "vllm" and args.forward_cost:
@@ -174,7 +193,13 @@ def run_bench(args: argparse.Namespace) -> int:
     output = Path(args.output or f"results/bench-{dataset}-{stamp}")
 
     report = run_benchmark(
-        engine, prompts, methods, config, progress=args.progress, dataset=dataset
+        engine,
+        prompts,
+        methods,
+        config,
+        progress=args.progress,
+        dataset=dataset,
+        repeats=args.repeats or 1,
     )
     report["config"].update(device=args.device, dtype=args.dtype, chat=chat, kernels=kernels)
     return _finish(args, report, config, output)
@@ -313,8 +338,30 @@ def _finish(args: argparse.Namespace, report: dict, config, output: Path) -> int
         print(table, file=sys.stderr)
     else:
         print(table)
+    for line in console_notes(report):
+        print(f"flyspec: {line}", file=sys.stderr)
+    if args.compare:
+        from flyspec.bench.compare import format_comparison, read_bench
+
+        print(format_comparison(read_bench(args.compare), report, old_name=args.compare))
     print(f"wrote {', '.join(files)} to {output}", file=sys.stderr)
     return 0
+
+
+def console_notes(report: dict) -> list[str]:
+    """What the console says under the table: the machine, its load (a warning when it was
+    busy) and the prompts whose repeats disagree."""
+    from flyspec.bench.report import machine_line, unstable_line
+    from flyspec.machine import CpuLoad
+
+    notes = [f"machine: {machine_line(report['environment'])}"]
+    if report.get("machine_load"):
+        load = CpuLoad.from_dict(report["machine_load"])
+        notes.append(("warning: " if load.busy else "") + f"during the run {load.describe()}")
+    unstable = unstable_line(report["methods"])
+    if unstable:
+        notes.append(f"warning: {unstable}")
+    return notes
 
 
 def run_benchmark(
@@ -326,10 +373,12 @@ def run_benchmark(
     progress: bool = True,
     dataset: str = "prompts",
     warmup: bool = True,
+    repeats: int = 1,
 ) -> dict:
-    """Run every method on every prompt, interleaved per prompt; return the report (config,
-    environment, per-method figures and per-sample records). ``config`` (a DecodeConfig)
-    carries K, the FLy rule, sampling and ``max_new_tokens``; each method sets its own mode."""
+    """Run every method on every prompt, interleaved per prompt, ``repeats`` times; return the
+    report (config, environment, what else used the CPU, per-method figures and per-sample
+    records, every repeat's). ``config`` (a DecodeConfig) carries K, the FLy rule, sampling
+    and ``max_new_tokens``; each method sets its own mode."""
     from tqdm import tqdm
 
     from flyspec.bench.prompts import encode_prompts
@@ -339,10 +388,13 @@ def run_benchmark(
         sample_records,
         summarise_method,
     )
+    from flyspec.machine import CpuMonitor, combined_load
 
     method_names = parse_methods(",".join(method_names))
     if not prompts:
         raise FlyspecError("no prompts to benchmark")
+    if repeats < 1:
+        raise FlyspecError(f"repeats must be >= 1, got {repeats}")
     methods = [make_method(name, engine, config) for name in method_names]
     prompt_ids = encode_prompts(engine.tokenizer, prompts)
     seed = config.sampling.seed
@@ -355,33 +407,56 @@ def run_benchmark(
         for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress):
             method.run(prompt_ids[0], max_new_tokens=warmup_tokens, seed=sample_seed(0))
 
-    runs: dict[str, list] = {method.name: [] for method in methods}
+    # runs[name][repeat][prompt]; each repeat runs every method once per prompt, the order
+    # rotated by one method per repeat so that no method always runs first after another.
+    runs: dict[str, list[list]] = {method.name: [[] for _ in range(repeats)] for method in methods}
+    loads, orders = [], []
     bar = tqdm(
-        total=len(prompts) * len(methods), desc="bench", file=sys.stderr, disable=not progress
+        total=repeats * len(prompts) * len(methods),
+        desc="bench",
+        file=sys.stderr,
+        disable=not progress,
     )
     with bar:
-        for index, ids in enumerate(prompt_ids):
-            for method in methods:
-                bar.set_postfix_str(f"{prompts[index].id} {method.name}", refresh=False)
-                runs[method.name].append(
-                    method.run(ids, max_new_tokens=config.max_new_tokens, seed=sample_seed(index))
-                )
-                bar.update()
+        for repeat in range(repeats):
+            order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
+            orders.append([method.name for method in order])
+            with CpuMonitor() as monitor:
+                for index, ids in enumerate(prompt_ids):
+                    for method in order:
+                        bar.set_postfix_str(
+                            f"{repeat + 1}/{repeats} {prompts[index].id} {method.name}",
+                            refresh=False,
+                        )
+                        runs[method.name][repeat].append(
+                            method.run(
+                                ids,
+                                max_new_tokens=config.max_new_tokens,
+                                seed=sample_seed(index),
+                            )
+                        )
+                        bar.update()
+            loads.append(monitor.load)
+    load = combined_load(loads)
 
-    target_runs = runs["target"]
     samples: dict[str, list[dict]] = {}
     summaries = []
     for method in methods:
-        records = sample_records(
-            prompts,
-            prompt_ids,
-            runs[method.name],
-            target_runs,
-            decode=lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
-        )
+        records = [
+            record
+            for repeat in range(repeats)
+            for record in sample_records(
+                prompts,
+                prompt_ids,
+                runs[method.name][repeat],
+                runs["target"][repeat],
+                decode=lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+                repeat=repeat,
+            )
+        ]
         samples[method.name] = records
         rounds = (
-            [r for run in runs[method.name] for r in run.stats.rounds]
+            [r for repeat in runs[method.name] for run in repeat for r in run.stats.rounds]
             if method.name in FLYSPEC_METHODS
             else None
         )
@@ -407,9 +482,14 @@ def run_benchmark(
             "target": engine.target_name,
             "draft": engine.draft_name,
             "warmup": warmup,
-            "timing": "wall time of each call (prefill included), interleaved per prompt",
+            "repeats": repeats,
+            "method_order_per_repeat": orders,
+            "timing": "wall time of each call (prefill included), interleaved per prompt; "
+            "each repeat rotates the method order",
         },
         "environment": environment(),
+        "machine_load": load.as_dict(),
+        "machine_load_per_repeat": [one.as_dict() for one in loads],
         "methods": summaries,
         "prompts": [prompt.as_dict() for prompt in prompts],
         "samples": samples,
@@ -431,7 +511,7 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
             model,
             max_new_tokens=config.k + 1,
             context_tokens=args.context_tokens,
-            repeats=args.repeats,
+            repeats=args.repeats or 5,
             forward_path=args.forward,
         )
     table = format_forward_cost(costs)
@@ -439,7 +519,7 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
         "config": {
             "k": config.k,
             "context_tokens": args.context_tokens,
-            "repeats": args.repeats,
+            "repeats": args.repeats or 5,
             "target": engine.target_name,
             "draft": engine.draft_name,
             "dtype": args.dtype,

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flyspec.spread import UNSTABLE_SPREAD, Spread
 from flyspec.stats import RoundStats, mean_speedup
 
 SPEEDUP_PLOT = "speedup.png"
@@ -75,8 +76,25 @@ def summarise_method(
     settings: Mapping,
 ) -> dict:
     """Figures of one method from its per-sample records (see :func:`sample_record`) and, for
-    flyspec's methods, all its rounds."""
-    tokens_per_second = [s["tokens_per_second"] for s in samples]
+    flyspec's methods, all its rounds.
+
+    ``target_tokens_per_second[i]`` is the baseline's speed on the prompt and repeat of
+    ``samples[i]``. Speed and speedup are taken per repeat (the mean over the prompts, and
+    its ratio to the baseline's in the same repeat) and reported as the median over the
+    repeats with their range; prompts whose repeats disagree are listed.
+    """
+    if len(target_tokens_per_second) != len(samples):
+        raise ValueError(
+            f"{len(samples)} samples but {len(target_tokens_per_second)} baseline speeds"
+        )
+    repeats = sorted({s.get("repeat", 0) for s in samples})
+    speeds, speedups = [], []
+    for repeat in repeats:
+        chosen = [i for i, s in enumerate(samples) if s.get("repeat", 0) == repeat]
+        speed = [samples[i]["tokens_per_second"] for i in chosen]
+        speeds.append(statistics.fmean(speed))
+        speedups.append(mean_speedup(speed, [target_tokens_per_second[i] for i in chosen]))
+    speed_spread, speedup_spread = Spread.of(speeds), Spread.of(speedups)
     new_tokens = sum(s["new_tokens"] for s in samples)
     seconds = sum(s["seconds"] for s in samples)
     summary: dict = {
@@ -84,11 +102,15 @@ def summarise_method(
         "kind": "hf" if name.startswith("hf-") else "flyspec",
         "settings": dict(settings),
         "samples": len(samples),
+        "repeats": len(repeats),
         "new_tokens": new_tokens,
         "seconds": _round(seconds),
-        "tokens_per_second": _round(statistics.fmean(tokens_per_second) if samples else None),
+        "tokens_per_second": _round(speed_spread.median),
+        "tokens_per_second_spread": speed_spread.as_dict(),
         "tokens_per_second_pooled": _round(_ratio(new_tokens, seconds)),
-        "speedup": _round(mean_speedup(tokens_per_second, target_tokens_per_second)),
+        "speedup": _round(speedup_spread.median),
+        "speedup_spread": speedup_spread.as_dict(),
+        "unstable_prompts": unstable_prompts(samples),
         "identical_to_target": sum(1 for s in samples if s["identical_to_target"]),
     }
     if rounds is None:
@@ -115,6 +137,20 @@ def summarise_method(
     return summary
 
 
+def unstable_prompts(samples: Sequence[dict]) -> list[dict]:
+    """The prompts whose speed across repeats spreads by more than
+    :data:`~flyspec.spread.UNSTABLE_SPREAD` of its median, with that spread."""
+    speeds: dict[str, list[float]] = {}
+    for sample in samples:
+        speeds.setdefault(sample["prompt_id"], []).append(sample["tokens_per_second"])
+    flagged = []
+    for prompt_id, values in speeds.items():
+        spread = Spread.of(values)
+        if spread.unstable:
+            flagged.append({"prompt_id": prompt_id, "tokens_per_second": spread.as_dict()})
+    return flagged
+
+
 def decoding_settings(config) -> dict:
     """The settings of a :class:`~flyspec.config.DecodeConfig` a report records."""
     return {
@@ -130,9 +166,11 @@ def decoding_settings(config) -> dict:
     }
 
 
-def sample_records(prompts, prompts_ids, runs, baseline_runs, *, decode) -> list[dict]:
+def sample_records(
+    prompts, prompts_ids, runs, baseline_runs, *, decode, repeat: int = 0
+) -> list[dict]:
     """:func:`sample_record` of each run (a :class:`~flyspec.bench.methods.SampleRun`),
-    compared with the baseline's run of the same prompt."""
+    compared with the baseline's run of the same prompt, all in the given ``repeat``."""
     return [
         sample_record(
             prompts[index].id,
@@ -142,6 +180,7 @@ def sample_records(prompts, prompts_ids, runs, baseline_runs, *, decode) -> list
             baseline_runs[index].token_ids,
             stats=run.stats.as_dict() if run.stats is not None else None,
             text=decode(run.token_ids),
+            repeat=repeat,
         )
         for index, run in enumerate(runs)
     ]
@@ -156,10 +195,12 @@ def sample_record(
     *,
     stats: dict | None = None,
     text: str | None = None,
+    repeat: int = 0,
 ) -> dict:
     divergence = first_divergence(token_ids, target_token_ids)
     return {
         "prompt_id": prompt_id,
+        "repeat": repeat,
         "prompt_tokens": prompt_tokens,
         "new_tokens": len(token_ids),
         "seconds": round(seconds, 4),
@@ -173,25 +214,21 @@ def sample_record(
 
 
 def environment() -> dict:
-    """Versions, threads, CPU model and math settings, for the record."""
+    """Versions, threads, the machine's full identity and math settings, for the record."""
     import torch
     import transformers
 
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from flyspec.machine import machine_identity
+
+    machine = machine_identity()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "cpu_model": cpu_model,
+        "cpu_model": machine["cpu_model"],
         "cpu_count": os.cpu_count(),
+        "machine": machine,
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "MKL_CBWR": os.environ.get("MKL_CBWR"),
@@ -203,6 +240,16 @@ def environment() -> dict:
 
 def _cell(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
+
+
+def _with_range(value, spread: Mapping | None, unit: str) -> str:
+    """``2.05x``, or ``2.05x (1.98-2.10)`` where the value is a median over repeats."""
+    if value is None:
+        return "–"
+    text = f"{value:.2f}{unit}"
+    if spread and spread.get("repeats", 1) > 1 and spread.get("low") is not None:
+        text += f" ({spread['low']:.2f}-{spread['high']:.2f})"
+    return text
 
 
 def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") -> str:
@@ -221,8 +268,8 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     for s in summaries:
         cells = [
             s["method"],
-            _cell(s["tokens_per_second"], ".2f"),
-            _cell(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
+            _with_range(s["tokens_per_second"], s.get("tokens_per_second_spread"), ""),
+            _with_range(s["speedup"], s.get("speedup_spread"), "x"),
             _cell(s.get("tau"), ".2f"),
             _cell(s.get("acceptance_rate"), ".1%"),
             _cell(s.get("loose_acceptance_rate"), ".1%"),
@@ -253,7 +300,9 @@ def markdown_report(report: Mapping) -> str:
         f"K={config['k']}, W={config['window']}, theta={config['theta']}, "
         f"T={config['temperature']}, chat={config['chat']}; target {config['target']}, "
         f"draft {config['draft']}; {env['torch_threads']} torch threads, "
-        f"MKL_CBWR={env['MKL_CBWR']}, {env['cpu_model']}, {env['date']}.",
+        f"MKL_CBWR={env['MKL_CBWR']}, {env['date']}.",
+        "",
+        f"Machine: {machine_line(env)}.",
         "",
         markdown_table(report["methods"], baseline=baseline),
         "",
@@ -263,6 +312,20 @@ def markdown_report(report: Mapping) -> str:
         + ("" if baseline == "target" else " (flyspec's methods: to flyspec's target)")
         + ". transformers' methods (hf-*) report speed only.",
     ]
+    repeats = config.get("repeats", 1)
+    if repeats > 1:
+        lines += [
+            "",
+            f"tok/s and speedup: medians over {repeats} repeats (each repeat runs every "
+            "method once per prompt, in a rotated order), with their range; the speedup is "
+            f"the median of the per-repeat ratios to {baseline}.",
+        ]
+    load = report.get("machine_load")
+    if load:
+        lines += ["", f"Machine load during the run: {_load_line(load)}."]
+    unstable = unstable_line(report["methods"])
+    if unstable:
+        lines += ["", unstable + "."]
     per_position = [s for s in report["methods"] if has_per_position(s)]
     if per_position:
         k = len(per_position[0]["per_position_acceptance"])
@@ -280,6 +343,33 @@ def markdown_report(report: Mapping) -> str:
                 + " |"
             )
     return "\n".join(lines) + "\n"
+
+
+def unstable_line(summaries: Sequence[Mapping]) -> str | None:
+    """The prompts whose repeats disagree, in one sentence (None when there are none)."""
+    unstable = [(s["method"], p) for s in summaries for p in s.get("unstable_prompts", ())]
+    if not unstable:
+        return None
+    return (
+        f"Prompts whose repeats disagree by more than {UNSTABLE_SPREAD:.0%} of their median "
+        "speed: "
+        + ", ".join(
+            f"{method} on {p['prompt_id']} ({p['tokens_per_second']['relative_spread']:.0%})"
+            for method, p in unstable
+        )
+    )
+
+
+def machine_line(env: Mapping) -> str:
+    from flyspec.machine import describe_machine
+
+    return describe_machine(env["machine"]) if env.get("machine") else str(env.get("cpu_model"))
+
+
+def _load_line(load: Mapping) -> str:
+    from flyspec.machine import CpuLoad
+
+    return CpuLoad.from_dict(dict(load)).describe()
 
 
 def write_plots(report: Mapping, folder: Path) -> list[str]:

@@ -1,0 +1,94 @@
+"""``flyspec bench --compare OLD/bench.json``: how each method's speed moved between two runs.
+
+For every method in both reports: the ratio of the new median tokens/s to the old one, each
+side's range over its repeats, and a verdict (``faster``, ``slower`` or ``~``) that names a
+change only where it is larger than the noise (:class:`flyspec.spread.Change`). The speedup
+over the baseline is compared the same way, since it is the figure least moved by a machine
+that is faster or slower as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from flyspec.errors import FlyspecError
+from flyspec.spread import NOISE_FLOOR, UNSTABLE_SPREAD, Change, Spread, compare
+
+__all__ = ["compare_reports", "format_comparison", "read_bench"]
+
+
+def read_bench(path: str | Path) -> dict:
+    """A bench.json written by ``flyspec bench`` (a folder holding one is accepted too)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "bench.json"
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FlyspecError(f"--compare: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FlyspecError(f"--compare: {path} is not a readable JSON file: {error}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("methods"), list):
+        raise FlyspecError(f"--compare: {path} is not a bench.json (no 'methods' list)")
+    return report
+
+
+def recorded_spread(summary: Mapping, figure: str) -> Spread:
+    """A method's ``figure`` (``tokens_per_second`` or ``speedup``) over its repeats, as its
+    summary recorded it (a report from before repeats holds one value)."""
+    recorded = summary.get(f"{figure}_spread")
+    if recorded:
+        return Spread.from_dict(recorded)
+    value = summary.get(figure)
+    return Spread.of([] if value is None else [value])
+
+
+def compare_reports(old: Mapping, new: Mapping) -> list[tuple[str, Change, Change]]:
+    """``(method, tokens/s change, speedup change)`` for each method in both reports."""
+    old_summaries = {s["method"]: s for s in old["methods"]}
+    rows = []
+    for summary in new["methods"]:
+        before = old_summaries.get(summary["method"])
+        if before is None:
+            continue
+        changes = [
+            compare(recorded_spread(before, figure), recorded_spread(summary, figure))
+            for figure in ("tokens_per_second", "speedup")
+        ]
+        rows.append((summary["method"], *changes))
+    return rows
+
+
+def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> str:
+    """A Markdown table of :func:`compare_reports`, with the machines of both runs."""
+    from flyspec.bench.report import machine_line
+
+    rows = compare_reports(old, new)
+    lines = [
+        f"Compared with {old_name}:",
+        f"- old: {machine_line(old.get('environment', {}))}, "
+        f"{old.get('environment', {}).get('date')}",
+        f"- new: {machine_line(new.get('environment', {}))}, "
+        f"{new.get('environment', {}).get('date')}",
+        "",
+        "| method | tok/s old | tok/s new | new/old | change | speedup old | speedup new "
+        "| change |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for method, speed, speedup in rows:
+        lines.append(
+            f"| {method} | {speed.old.describe()} | {speed.new.describe()} | "
+            f"{speed.ratio:.3f} | {speed.verdict} | {speedup.old.describe(unit='x')} | "
+            f"{speedup.new.describe(unit='x')} | {speedup.verdict} |"
+        )
+    if not rows:
+        lines.append("| (no method in both runs) | | | | | | | |")
+    lines += [
+        "",
+        "change: faster/slower where the runs' ranges over their repeats do not overlap and "
+        f"the medians differ by more than {NOISE_FLOOR:.0%} (a run of one repeat counts as "
+        f"{UNSTABLE_SPREAD:.0%} wide); ~ otherwise, within the noise.",
+    ]
+    return "\n".join(lines)
