@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,6 +115,50 @@ def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
     assert isinstance(result["text"], str) and "tau" in stats and "seconds" in stats
     assert result["baseline"]["stats"]["tau"] == 1.0
     assert result["speedup"] > 0
+    assert len(result["baseline_runs"]) == len(result["runs"]) == 2  # --compare-pairs 2
+    spread = result["speedup_spread"]
+    assert spread["repeats"] == 2 and spread["low"] <= result["speedup"] <= spread["high"]
+    assert isinstance(result["reliable"], bool) and "busy" in result["machine_load"]
+
+
+def comparison(target_speeds, method_speeds, others_cpu_fraction):
+    from flyspec.cli import TargetComparison
+    from flyspec.machine import CpuLoad
+
+    def stats(tokens_per_second):  # the two members of RequestStats the comparison reads
+        return SimpleNamespace(
+            tokens_per_second=tokens_per_second, as_dict=lambda: {"tps": tokens_per_second}
+        )
+
+    compared = TargetComparison(pairs=len(target_speeds))
+    compared.target = [SimpleNamespace(stats=stats(v), as_dict=dict) for v in target_speeds]
+    compared.method = [stats(v) for v in method_speeds[:-1]]
+    compared.monitor = SimpleNamespace(stop=lambda: CpuLoad(10.0, others_cpu_fraction, 0.0, 1.0))
+    compared.finish(stats(method_speeds[-1]))
+    return compared
+
+
+def test_comparison_on_a_quiet_machine_states_the_median_and_range():
+    compared = comparison([4.0, 4.1], [10.0, 10.4], 0.01)
+    assert compared.reliable
+    line = compared.line()
+    assert line.startswith("speedup over the target alone: 2.52x (2.50-2.54x over 2 repeats")
+    assert "NOT" not in line
+
+
+@pytest.mark.parametrize(
+    ("targets", "methods", "others", "reason"),
+    [
+        ([4.0, 4.0], [3.6, 10.0], 0.01, "the 2 pairs disagree (0.90x to 2.50x)"),
+        ([4.0, 4.0], [8.8, 9.0], 0.5, "the machine was busy (other processes used 50% of"),
+    ],
+)
+def test_comparison_that_cannot_be_trusted_says_why(targets, methods, others, reason):
+    compared = comparison(targets, methods, others)
+    line = compared.line()
+    assert not compared.reliable
+    assert "NOT measured reliably" in line and reason in line
+    assert not line.startswith("speedup over the target alone: 0.")  # never a bare ratio
 
 
 @pytest.mark.parametrize("extra", [[], ["--show"], ["--mode", "target"], ["--drafter", "mla"]])
