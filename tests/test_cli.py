@@ -66,6 +66,7 @@ def test_bad_settings_give_one_line_errors(capsys, arguments, fragment):
 @pytest.mark.parametrize("command", [["serve"], ["bench"]])
 def test_engine_vllm_without_vllm_says_how_to_install_it(capsys, monkeypatch, command):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    monkeypatch.delenv("FLYSPEC_API_KEY", raising=False)  # refused with --engine vllm
     code, _, err = run_cli(capsys, *command, "--engine", "vllm")
     assert_one_line_error(code, err, "vLLM is not installed in this environment")
     assert "scripts/setup.sh --vllm" in err

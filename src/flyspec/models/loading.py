@@ -168,11 +168,34 @@ def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     try:
-        return AutoTokenizer.from_pretrained(source.location, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
     except FlyspecError:
         raise
     except Exception as error:  # transformers, tokenizers and gguf raise many kinds
         raise _load_failed(source, "tokenizer", error) from error
+    if source.gguf_file is None and Path(source.location).is_dir():
+        _check_tokenizer_files(Path(source.location), tokenizer)
+    return tokenizer
+
+
+def _check_tokenizer_files(folder: Path, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """Raise FlyspecError when ``folder`` holds none of the vocabulary files the tokenizer's
+    class reads: transformers then builds an empty tokenizer (one token) from config.json
+    alone, which would only surface later as a confusing vocabulary mismatch."""
+    wanted = {
+        name
+        for key, name in getattr(type(tokenizer), "vocab_files_names", {}).items()
+        if isinstance(name, str) and key != "tokenizer_config_file"
+    }
+    if not wanted or any((folder / name).is_file() for name in wanted):
+        return
+    present = sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(present[:10]) + (", ..." if len(present) > 10 else "")
+    raise FlyspecError(
+        f"the model folder {folder} has no tokenizer: {', '.join(sorted(wanted))} "
+        f"({type(tokenizer).__name__}'s files) are all missing; it holds {shown or 'nothing'}. "
+        "Copy the tokenizer files from the model's source into the folder"
+    )
 
 
 def release_gguf_quantizer(model: transformers.PreTrainedModel) -> None:

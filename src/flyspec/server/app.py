@@ -4,32 +4,50 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream 
 ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
 ``GET /metrics``. Every error is answered with OpenAI's error body; validation errors use
 status 400 (not FastAPI's 422).
+
+The work that grows with a request stays off the event loop: the generation endpoints read
+their body, then parse, validate, template and tokenize it on one preparation thread, and
+generation runs on the engine thread (:mod:`flyspec.server.scheduler`), so ``/health``
+answers while a big request is being prepared. In front of the routes, pure-ASGI middlewares
+check the API key (``/v1`` routes, and ``/metrics`` when asked) and then the body size (413).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hmac
 import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.config import MAX_SEED, ConfigError, DecodeConfig, FlyConfig, SamplingConfig
 from flyspec.errors import FlyspecError
 from flyspec.server import protocol
+from flyspec.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
 from flyspec.server.metrics import CONTENT_TYPE, ServerMetrics
-from flyspec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from flyspec.server.protocol import (
+    MESSAGE_LIMIT,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    clip,
+    quote,
+)
 from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
 
 logger = logging.getLogger("flyspec.server")
@@ -39,7 +57,6 @@ CHAT = "/v1/chat/completions"
 GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
-MAX_SEED = 2**63 - 1
 
 # The first word of a ConfigError message -> the request field it is about.
 _CONFIG_PARAMS = {
@@ -65,6 +82,11 @@ def create_app(
     model_name: str,
     queue_size: int = 8,
     request_timeout: float = 600.0,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    max_messages: int | None = DEFAULT_MAX_MESSAGES,
+    api_key: str | None = None,
+    metrics_require_key: bool = False,
+    docs: bool = False,
 ) -> FastAPI:
     """The server app for one loaded :class:`~flyspec.engine.Engine`.
 
@@ -73,11 +95,24 @@ def create_app(
     one more is answered 429. ``request_timeout``: seconds from arrival (waiting included)
     after which a generation is stopped and answered with what it has, ``finish_reason:
     "length"`` and ``speculative.timed_out: true``.
+
+    ``max_body_bytes``: larger request bodies are answered 413 (None: no limit).
+    ``max_messages``: chat requests with more messages are answered 400 (None: no limit).
+    ``api_key``: when set, every ``/v1`` route (and ``/metrics`` with ``metrics_require_key``)
+    needs ``Authorization: Bearer <api_key>``, else 401. ``docs``: serve ``/docs``,
+    ``/redoc`` and ``/openapi.json`` (off by default: they describe the server to anyone).
     """
     if queue_size < 0:
         raise ValueError(f"queue_size must be >= 0, got {queue_size}")
     if not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+    for name, limit in (("max_body_bytes", max_body_bytes), ("max_messages", max_messages)):
+        if limit is not None and limit < 1:
+            raise ValueError(f"{name} must be >= 1 (or None for no limit), got {limit}")
+    if api_key is not None and (not api_key or api_key != api_key.strip()):
+        raise ValueError("api_key must be non-empty, without surrounding whitespace (None: no key)")
+    if metrics_require_key and api_key is None:
+        raise ValueError("metrics_require_key needs an api_key")
 
     metrics = ServerMetrics()
     queue = GenerationQueue(
@@ -89,37 +124,56 @@ def create_app(
     metrics.running.read = lambda: queue.running
     started = int(time.time())
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        queue.start()
-        try:
-            yield
-        finally:
-            await queue.close()
-
-    app = FastAPI(title="flyspec", version=_version(), lifespan=lifespan)
-    app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.queue = queue
-    app.state.defaults = defaults
-    app.state.model_name = model_name
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
-    _install_error_handlers(app)
     server = _Server(
         engine=engine,
         defaults=defaults,
         model_name=model_name,
         queue=queue,
         request_timeout=request_timeout,
+        max_messages=max_messages,
     )
 
-    @app.post(COMPLETIONS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.handle(request, body, chat=False)
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        queue.start()
+        try:
+            yield
+        finally:
+            await queue.close()
+            server.close()
 
-    @app.post(CHAT)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await server.handle(request, body, chat=True)
+    app = FastAPI(
+        title="flyspec",
+        version=_version(),
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.queue = queue
+    app.state.defaults = defaults
+    app.state.model_name = model_name
+    # Starlette runs the middleware added last first: metrics see every answer, the key is
+    # checked before the body is read, and the body is measured before any route runs.
+    if max_body_bytes is not None:
+        app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(
+            _APIKeyMiddleware, api_key=api_key, metrics_require_key=metrics_require_key
+        )
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    _install_error_handlers(app)
+
+    @app.post(COMPLETIONS, openapi_extra=_request_body_schema(CompletionRequest, COMPLETIONS))
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, chat=False)
+
+    @app.post(CHAT, openapi_extra=_request_body_schema(ChatCompletionRequest, CHAT))
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, chat=True)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -146,8 +200,23 @@ def create_app(
     return app
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A checked request: its model, prompt token ids and decoding settings."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    prompt_ids: list[int]
+    config: DecodeConfig
+
+
 class _Server:
-    """Request handling shared by the two generation endpoints."""
+    """Request handling shared by the two generation endpoints.
+
+    Preparing a request (JSON parsing, validation, chat template, tokenizing) runs on one
+    thread of its own, started by :meth:`start`: a big request then holds up the next
+    request's preparation, never the event loop, and only one CPU core goes to it while the
+    engine thread generates.
+    """
 
     def __init__(
         self,
@@ -157,17 +226,34 @@ class _Server:
         model_name: str,
         queue: GenerationQueue,
         request_timeout: float,
+        max_messages: int | None,
     ) -> None:
         self.engine = engine
         self.defaults = defaults
         self.model_name = model_name
         self.queue = queue
         self.request_timeout = request_timeout
+        self.max_messages = max_messages
+        self._executor: ThreadPoolExecutor | None = None
 
-    async def handle(
-        self, request: Request, body: CompletionRequest | ChatCompletionRequest, *, chat: bool
-    ) -> Response:
-        prompt_ids, config = self.prepare(body, chat=chat)
+    def start(self) -> None:
+        """Start the preparation thread (from the app's lifespan)."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-prepare")
+
+    def close(self) -> None:
+        """Stop the preparation thread; preparations not yet started are dropped."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, request: Request, *, chat: bool) -> Response:
+        if self._executor is None:
+            raise RuntimeError("the server is not started (run the app with its lifespan)")
+        raw = await request.body()
+        prepare = functools.partial(
+            self.prepare, raw, content_type=request.headers.get("content-type"), chat=chat
+        )
+        prepared = await asyncio.get_running_loop().run_in_executor(self._executor, prepare)
+        body, prompt_ids, config = prepared.body, prepared.prompt_ids, prepared.config
         try:
             job = self.queue.submit(prompt_ids, config, timeout=self.request_timeout)
         except QueueFullError:
@@ -208,10 +294,20 @@ class _Server:
             )
         )
 
-    def prepare(
-        self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool
-    ) -> tuple[list[int], DecodeConfig]:
-        """Check a request and turn it into prompt token ids and decoding settings."""
+    def prepare(self, raw: bytes, *, content_type: str | None, chat: bool) -> _Prepared:
+        """Parse and check a request body and turn it into prompt token ids and decoding
+        settings (APIError for anything the client should fix). Runs off the event loop."""
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            body = protocol.parse_request(
+                raw,
+                content_type=content_type,
+                model=model,
+                max_messages=self.max_messages if chat else None,
+            )
+        except ValidationError as error:
+            message, param, code = describe_validation_errors(error.errors())
+            raise APIError(400, message, param=param, code=code) from None
         unsupported = body.unsupported()
         if unsupported is not None:
             param, message = unsupported
@@ -265,7 +361,7 @@ class _Server:
                 "and this server has none; use mode 'target' or drafter 'ngram'",
                 param="drafter",
             )
-        return prompt_ids, config
+        return _Prepared(body=body, prompt_ids=prompt_ids, config=config)
 
     def _encode(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> list[int]:
         try:
@@ -277,11 +373,15 @@ class _Server:
         except APIError:
             raise
         except FlyspecError as error:
-            raise APIError(400, str(error), param="messages" if chat else "prompt") from None
+            raise APIError(
+                400, clip(str(error), MESSAGE_LIMIT), param="messages" if chat else "prompt"
+            ) from None
         except Exception as error:  # a chat template that raises on this conversation
             if chat and type(error).__module__.startswith("jinja2"):
                 raise APIError(
-                    400, f"the chat template refused these messages: {error}", param="messages"
+                    400,
+                    f"the chat template refused these messages: {clip(str(error), MESSAGE_LIMIT)}",
+                    param="messages",
                 ) from None
             raise
 
@@ -354,7 +454,9 @@ def request_config(
     except ConfigError as error:
         message = str(error)
         param = _CONFIG_PARAMS.get(message.split(" ", 1)[0])
-        raise APIError(400, message, param=param, code="invalid_value") from None
+        raise APIError(
+            400, clip(message, MESSAGE_LIMIT), param=param, code="invalid_value"
+        ) from None
 
 
 class _JobStreamingResponse(StreamingResponse):
@@ -405,7 +507,7 @@ def _sse(payload: dict[str, Any]) -> str:
 def _generation_failed(job: Job) -> APIError:
     return APIError(
         500,
-        f"generation failed: {type(job.error).__name__}: {job.error}",
+        f"generation failed: {type(job.error).__name__}: {clip(str(job.error), MESSAGE_LIMIT)}",
         type="server_error",
         code="generation_failed",
     )
@@ -420,7 +522,7 @@ def _shutting_down() -> APIError:
 def _unknown_model(requested: str, served: str) -> APIError:
     return APIError(
         404,
-        f"the model {requested!r} does not exist; this server serves {served!r}",
+        f"the model {quote(requested)} does not exist; this server serves {served!r}",
         param="model",
         code="model_not_found",
     )
@@ -428,6 +530,15 @@ def _unknown_model(requested: str, served: str) -> APIError:
 
 def _model_card(model_name: str, created: int) -> dict[str, Any]:
     return {"id": model_name, "object": "model", "created": created, "owned_by": "flyspec"}
+
+
+def _request_body_schema(model: type[BaseModel], path: str) -> dict[str, Any]:
+    """OpenAPI's ``requestBody`` for a route that parses its own body: the model's JSON
+    schema, its ``$defs`` referenced by JSON pointers into the operation itself."""
+    escaped = path.replace("~", "~0").replace("/", "~1")
+    pointer = f"#/paths/{escaped}/post/requestBody/content/application~1json/schema/$defs/"
+    schema = model.model_json_schema(ref_template=pointer + "{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _version() -> str:
@@ -453,15 +564,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        path = clip(request.url.path)
         if error.status_code == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}"
+            message = f"no such endpoint: {request.method} {path}"
         elif error.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        elif error.status_code == 400:
-            message = f"the request body could not be read as UTF-8 JSON ({error.detail})"
-            code = "invalid_json"
+            message = f"method {request.method} is not allowed on {path}"
         else:
-            message = str(error.detail)
+            message = clip(str(error.detail), MESSAGE_LIMIT)
         return JSONResponse(
             protocol.error_body(message, code=code),
             status_code=error.status_code,
@@ -501,9 +610,11 @@ def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None
         loc = [part for part in error.get("loc", ()) if part != "body"]
         # Drop union branch names such as 'str' / 'list[str]' that pydantic adds to locations.
         loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
-        param = ".".join(str(p) for p in loc) or None
+        param = ".".join(clip(str(p)) for p in loc) or None
         kind = error.get("type")
-        text = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        text = clip(
+            str(error.get("msg", "invalid value")).removeprefix("Value error, "), MESSAGE_LIMIT
+        )
         code = "invalid_type" if str(kind).endswith("_type") else "invalid_value"
         if kind == "missing":
             code = "missing_required_parameter"
@@ -513,8 +624,6 @@ def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None
             entry = f"unrecognized request argument supplied: {param}"
         elif kind == "model_attributes_type" and param is None:
             entry = "the request body must be a JSON object"
-            if isinstance(error.get("input"), bytes | str):
-                entry += " sent with Content-Type: application/json"
         elif param and not text.startswith(f"{param} "):
             entry = f"{param}: {text}"
         else:
@@ -577,3 +686,142 @@ class _MetricsMiddleware:
             if seconds is not None and not math.isfinite(seconds):
                 seconds = None
             self.metrics.observe_request(endpoint, status, seconds)
+
+
+# ---------------------------------------------------------------- key and size middlewares
+
+
+async def _send_error(
+    send: Send, error: APIError, *, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
+    """Answer ``error`` straight over ASGI (before any route has run)."""
+    body = json.dumps(error.body()).encode("utf-8")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status_code,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode("ascii")),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _APIKeyMiddleware:
+    """Answers 401 unless ``Authorization: Bearer <key>`` carries the key, on every ``/v1``
+    path (unknown ones too, so nothing is learnt without the key) and, when asked, on
+    ``/metrics``. The key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, metrics_require_key: bool) -> None:
+        self.app = app
+        self.key = api_key.encode("utf-8")
+        self.metrics_require_key = metrics_require_key
+
+    def protects(self, path: str) -> bool:
+        if path == "/v1" or path.startswith("/v1/"):
+            return True
+        return self.metrics_require_key and path == "/metrics"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.protects(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        supplied = _bearer_token(scope)
+        if supplied is not None and hmac.compare_digest(supplied, self.key):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "no API key: send it as 'Authorization: Bearer <key>'"
+            if supplied is None
+            else "incorrect API key provided"
+        )
+        await _send_error(
+            send,
+            APIError(401, message, code="invalid_api_key"),
+            headers=((b"www-authenticate", b"Bearer"),),
+        )
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    """The token of the request's ``Authorization: Bearer ...`` header, or None."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+class _BodyLimitMiddleware:
+    """Answers 413 for a request body over ``max_body_bytes``: at once from its
+    Content-Length, else (chunked) as soon as the bytes received pass the limit.
+
+    The body is read here in full before the app runs, then handed on in one message; what
+    the client sends after it (a disconnect) passes through unchanged. The 413 does not ask
+    to close the connection: uvicorn then reads and drops the rest of the body, so the client,
+    still sending, gets the answer instead of a reset connection.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def too_large(self, size: int | None) -> APIError:
+        """The 413: ``size`` is the declared Content-Length, None for a chunked body."""
+        limit = f"this server's limit of {self.max_body_bytes} bytes"
+        told = f"has {size} bytes, more than {limit}" if size is not None else f"exceeds {limit}"
+        return APIError(
+            413,
+            f"the request body {told} (flyspec serve --max-body-bytes)",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await _send_error(send, self.too_large(declared))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        last: Message | None = None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                last = message  # the client left while sending
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _send_error(send, self.too_large(None))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        first: Message = last or {"type": "http.request", "body": b"".join(chunks)}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

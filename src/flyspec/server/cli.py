@@ -4,12 +4,26 @@ are imported when the command runs, so ``flyspec --help`` stays fast."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
+import re
+import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_QUEUE_SIZE = 8
 DEFAULT_REQUEST_TIMEOUT = 600.0
+# The default pair's context is 32,768 tokens: a prompt that fills it is 512 KiB of JSON even
+# at 16 bytes a token, and a longer one is refused (400) after tokenizing anyway. 4 MiB leaves
+# room for longer-context models and heavy escaping while bounding what one request costs.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
+# A ChatML message costs at least 5 template tokens, so 4096 messages take 20,480 or more of
+# a 32,768-token context: a conversation with more rarely fits.
+DEFAULT_MAX_MESSAGES = 4096
+API_KEY_ENV = "FLYSPEC_API_KEY"
 GRACEFUL_SHUTDOWN_SECONDS = 5  # on Ctrl-C, streams still open after this are cut
 
 
@@ -53,6 +67,38 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--model-name", help="model id served in /v1/models (default: the target's name)"
     )
     serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); "
+        f"default: the {API_KEY_ENV} environment variable, which keeps the key out of the "
+        "process list; no key when neither is set",
+    )
+    serve.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="require the API key on /metrics too (default: /metrics is open, like /health)",
+    )
+    serve.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json (default: off; they are open to anyone "
+        "even with an API key)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=byte_size,
+        metavar="SIZE",
+        help="largest request body; bigger ones are answered 413. A byte count, or with a "
+        "K, M or G suffix (KiB, MiB, GiB) (default 4M)",
+    )
+    serve.add_argument(
+        "--max-messages",
+        type=int,
+        metavar="N",
+        help=f"most messages in one chat request; more are answered 400 "
+        f"(default {DEFAULT_MAX_MESSAGES})",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -81,12 +127,15 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--no-draft cannot serve the default mode {defaults.mode!r} with the "
             f"{defaults.drafter!r} drafter; add --mode target or --drafter ngram"
         )
+    api_key = resolve_api_key(args.api_key, environ=os.environ)
     if args.engine == "vllm":
+        refuse_flyspec_server_options(args, api_key=api_key)
         return run_vllm_serve(args, defaults)
     if args.queue_size < 0:
         raise FlyspecError(f"--queue-size must be >= 0, got {args.queue_size}")
     if not args.request_timeout > 0:
         raise FlyspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    options = server_options(args, api_key=api_key)
 
     try:
         import uvicorn
@@ -105,7 +154,11 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name or default_model_name(args.target, engine.target_name),
         queue_size=args.queue_size,
         request_timeout=args.request_timeout,
+        **options,
     )
+    warning = exposure_warning(args.host, api_key=api_key)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     uvicorn.run(
         app,
         host=args.host,
@@ -114,6 +167,98 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     return 0
+
+
+def server_options(args: argparse.Namespace, *, api_key: str | None) -> dict[str, Any]:
+    """``create_app``'s access and size settings from the serve options, checked
+    (FlyspecError): ``api_key``, ``metrics_require_key``, ``docs``, ``max_body_bytes`` and
+    ``max_messages``, the last two with their defaults filled in."""
+    from flyspec.errors import FlyspecError
+
+    max_messages = DEFAULT_MAX_MESSAGES if args.max_messages is None else args.max_messages
+    if max_messages < 1:
+        raise FlyspecError(f"--max-messages must be >= 1, got {max_messages}")
+    if args.metrics_require_key and api_key is None:
+        raise FlyspecError(f"--metrics-require-key needs --api-key or {API_KEY_ENV}")
+    return {
+        "api_key": api_key,
+        "metrics_require_key": args.metrics_require_key,
+        "docs": args.docs,
+        "max_body_bytes": args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        "max_messages": max_messages,
+    }
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a positive byte count, optionally with a K, M or G suffix (powers of
+    1024; ``4M``, ``4MiB`` and ``4MB`` are all 4 MiB)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:([kmg])(?:i?b)?|b)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4194304, 512K or 4M)")
+    power = {None: 0, "k": 1, "m": 2, "g": 3}[match.group(2) and match.group(2).lower()]
+    size = int(match.group(1)) * 1024**power
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"the size must be at least 1 byte, got {text!r}")
+    return size
+
+
+def resolve_api_key(option: str | None, *, environ: Mapping[str, str]) -> str | None:
+    """The API key: ``--api-key``, else the ``FLYSPEC_API_KEY`` variable of ``environ``
+    (an empty variable counts as unset); None when neither gives one. Surrounding
+    whitespace is dropped: an HTTP header cannot carry it."""
+    from flyspec.errors import FlyspecError
+
+    if option is not None:
+        if not option.strip():
+            raise FlyspecError("--api-key must not be empty")
+        return option.strip()
+    return environ.get(API_KEY_ENV, "").strip() or None
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only listens on this machine (localhost, 127.0.0.0/8, ::1)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, *, api_key: str | None) -> str | None:
+    """The warning printed when the server listens beyond loopback without an API key."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (
+        f"flyspec: warning: listening on {host!r}, beyond this machine, without an API key: "
+        f"anyone who reaches the port can use the model; set {API_KEY_ENV} (or --api-key), "
+        "or bind --host 127.0.0.1"
+    )
+
+
+def refuse_flyspec_server_options(args: argparse.Namespace, *, api_key: str | None) -> None:
+    """``--engine vllm`` runs vLLM's own server: refuse the options only flyspec's has, so an
+    API key is never silently dropped."""
+    from flyspec.errors import FlyspecError
+
+    if api_key is not None:
+        raise FlyspecError(
+            f"--api-key / {API_KEY_ENV} is not passed on to vLLM's server; give vLLM its own "
+            "key (VLLM_API_KEY, or --vllm-args '--api-key ...')"
+        )
+    given = [
+        flag
+        for flag, value in (
+            ("--metrics-require-key", args.metrics_require_key),
+            ("--docs", args.docs),
+            ("--max-body-bytes", args.max_body_bytes),
+            ("--max-messages", args.max_messages),
+        )
+        if value not in (None, False)
+    ]
+    if given:
+        raise FlyspecError(f"{', '.join(given)}: only for flyspec's own server, not --engine vllm")
 
 
 def run_vllm_serve(args: argparse.Namespace, defaults) -> int:

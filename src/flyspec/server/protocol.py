@@ -8,20 +8,27 @@ Standard OpenAI fields the server does not implement are accepted only at their 
 FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
 ``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, plus
 ``top_k``. Their ranges are checked by :mod:`flyspec.config`, not here.
+
+:func:`parse_request` turns a raw body into a request model: it checks the media type, UTF-8,
+JSON syntax and nesting, the number of chat messages and that every string is valid Unicode
+before pydantic sees the data, so each of those problems gets its own message.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flyspec.stats import RequestStats
 
 FinishReason = Literal["stop", "length"]
+ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
+MESSAGE_LIMIT = 300  # characters of an error message built around a client's value
 
 
 class APIError(Exception):
@@ -55,8 +62,149 @@ def error_body(
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error object. Lone surrogates are escaped, so the body always encodes."""
+    return {
+        "error": {
+            "message": printable(message),
+            "type": type,
+            "param": None if param is None else printable(param),
+            "code": code,
+        }
+    }
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes (UTF-8 encodable)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters plus ``...`` and its length, when longer."""
+    text = printable(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quote(value: str, limit: int = ECHO_LIMIT) -> str:
+    """A client's string for an error message: quoted like ``repr`` and clipped."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def invalid_text(data: Any) -> tuple[str | None, str] | None:
+    """``(param, message)`` for the first string (or object key) in parsed JSON that holds a
+    lone surrogate: JSON lets ``"\\ud800"`` through, but it is not Unicode text and the
+    tokenizer cannot take it. ``param`` is the dotted path (``messages.0.content``).
+
+    Iterative, so arbitrarily deep data cannot overflow the stack.
+    """
+    pending: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while pending:
+        value, path = pending.pop()
+        param = ".".join(path) or None
+        if isinstance(value, str):
+            at = _surrogate_at(value)
+            if at is not None:
+                what = param or "the request body"
+                return param, f"{what} is not valid Unicode text: {_surrogate_note(value, at)}"
+        elif isinstance(value, dict):
+            children = []
+            for key, child in value.items():
+                at = _surrogate_at(key)
+                if at is not None:
+                    where = f"a key of {param}" if param else "a field name"
+                    return param, f"{where} is not valid Unicode text: {_surrogate_note(key, at)}"
+                children.append((child, (*path, clip(key))))
+            pending.extend(reversed(children))
+        elif isinstance(value, list):
+            pending.extend(
+                (child, (*path, str(i))) for i, child in reversed(list(enumerate(value)))
+            )
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+def _surrogate_note(text: str, at: int) -> str:
+    return (
+        f"a lone surrogate \\u{ord(text[at]):04x} at character {at} "
+        "(\\ud800-\\udfff escapes are only valid as a high-low pair)"
+    )
+
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+def parse_request(
+    raw: bytes, *, content_type: str | None, model: type[RequestModel], max_messages: int | None
+) -> RequestModel:
+    """A request model from a raw body: APIError 400 for a body that is not a UTF-8 JSON
+    document sent as ``application/json``, nested too deep, with more than ``max_messages``
+    chat messages or with invalid text; pydantic's ValidationError for the fields."""
+    if not raw:
+        raise APIError(400, "a JSON body is required", code="missing_required_parameter")
+    if not _is_json_media_type(content_type):
+        raise APIError(
+            400,
+            "the request body must be a JSON object sent with Content-Type: application/json"
+            f" (got {quote(content_type) if content_type else 'no Content-Type'})",
+            code="invalid_type",
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(
+            400,
+            f"the request body is not valid UTF-8: byte 0x{raw[error.start]:02x} at offset "
+            f"{error.start}",
+            code="invalid_json",
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise APIError(
+            400,
+            f"the request body is not valid JSON ({error.msg} at character {error.pos})",
+            code="invalid_json",
+        ) from None
+    except RecursionError:
+        raise APIError(
+            400,
+            "the request body is nested too deep: its JSON arrays and objects go deeper than "
+            "the parser's limit (about a thousand levels)",
+            code="invalid_json",
+        ) from None
+    if isinstance(data, dict) and max_messages is not None:
+        messages = data.get("messages")
+        if isinstance(messages, list) and len(messages) > max_messages:
+            raise APIError(
+                400,
+                f"too many messages: {len(messages)}, and this server takes at most "
+                f"{max_messages} (flyspec serve --max-messages)",
+                param="messages",
+                code="array_above_max_length",
+            )
+    found = invalid_text(data)
+    if found is not None:
+        param, message = found
+        raise APIError(400, message, param=param, code="invalid_text")
+    return model.model_validate(data)
+
+
+def _is_json_media_type(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = media.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 class _Request(BaseModel):
