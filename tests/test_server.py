@@ -718,3 +718,38 @@ def test_serve_command_line():
     )
     assert default_model_name("org/some-model", "org/some-model") == "org/some-model"
     assert default_model_name(None, "/x/model-q4.gguf") == "model-q4"
+
+
+# ---------------------------------------------------------------- the engine thread
+
+
+class ThreadRecordingEngine(ScriptedEngine):
+    """A :class:`ScriptedEngine` that records the thread each generation runs on."""
+
+    def stream(self, prompt_ids, config, *, stats=None, should_stop=None):
+        self.threads.append(threading.get_ident())
+        yield from super().stream(prompt_ids, config, stats=stats, should_stop=should_stop)
+
+
+def test_generations_run_on_the_thread_that_loaded_the_engine(tiny_engine):
+    """Every generation runs on the executor given to create_app (flyspec serve loads the
+    models there), and closing the app leaves that executor to its owner."""
+    from flyspec.server.scheduler import engine_thread
+
+    executor = engine_thread()
+    loader = executor.submit(threading.get_ident).result()
+    engine = ThreadRecordingEngine(tiny_engine)
+    engine.threads = []
+    app = create_app(
+        engine,
+        defaults=DecodeConfig(mode="target", max_new_tokens=2),
+        model_name=MODEL,
+        engine_executor=executor,
+    )
+    with running(app) as url:
+        for _ in range(2):
+            response = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}, timeout=60)
+            assert response.status_code == 200, response.text
+    assert engine.threads == [loader, loader]
+    assert executor.submit(threading.get_ident).result() == loader  # still open
+    executor.shutdown()

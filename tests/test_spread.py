@@ -130,7 +130,7 @@ def test_monitor_subtracts_its_own_cpu_time(monkeypatch):
     stall = iter([1.0, 1.5])
     monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(machine, "_machine_busy_seconds", lambda: next(machine_busy))
-    monkeypatch.setattr(machine, "_own_cpu_seconds", lambda: next(own))
+    monkeypatch.setattr(machine, "_own_cpu_seconds", lambda include_children: next(own))
     monkeypatch.setattr(machine, "_stall", lambda: next(stall))
     monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
     load = CpuMonitor().start().stop()

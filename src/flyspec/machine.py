@@ -123,14 +123,18 @@ class CpuLoad:
 
 class CpuMonitor:
     """Measures :class:`CpuLoad` between :meth:`start` and :meth:`stop` (or over a ``with``
-    block, after which ``.load`` holds the result)."""
+    block, after which ``.load`` holds the result). ``include_children``: count the CPU time
+    of this process's children that ended (and were waited for) meanwhile as its own, for a
+    measurement whose work runs in child processes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, include_children: bool = False) -> None:
+        self.include_children = include_children
         self.load: CpuLoad | None = None
         self._start: tuple[float, float | None, float, float | None] | None = None
 
     def start(self) -> CpuMonitor:
-        self._start = (time.perf_counter(), _machine_busy_seconds(), _own_cpu_seconds(), _stall())
+        own = _own_cpu_seconds(self.include_children)
+        self._start = (time.perf_counter(), _machine_busy_seconds(), own, _stall())
         return self
 
     def stop(self) -> CpuLoad:
@@ -138,7 +142,8 @@ class CpuMonitor:
             raise RuntimeError("CpuMonitor.stop() before start()")
         wall0, machine0, own0, stall0 = self._start
         wall = max(time.perf_counter() - wall0, 1e-9)
-        machine1, own1, stall1 = _machine_busy_seconds(), _own_cpu_seconds(), _stall()
+        machine1, stall1 = _machine_busy_seconds(), _stall()
+        own1 = _own_cpu_seconds(self.include_children)
         others = None
         if machine0 is not None and machine1 is not None:
             taken = (machine1 - machine0) - (own1 - own0)
@@ -189,10 +194,11 @@ def _machine_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_seconds() -> float:
-    """This process's CPU seconds, all its threads (its children count as other processes)."""
+def _own_cpu_seconds(include_children: bool = False) -> float:
+    """This process's CPU seconds, all its threads, and its waited-for children's if asked."""
     times = os.times()
-    return times.user + times.system
+    own = times.user + times.system
+    return own + (times.children_user + times.children_system if include_children else 0.0)
 
 
 def _stall() -> float | None:

@@ -87,6 +87,7 @@ def create_app(
     api_key: str | None = None,
     metrics_require_key: bool = False,
     docs: bool = False,
+    engine_executor: ThreadPoolExecutor | None = None,
 ) -> FastAPI:
     """The server app for one loaded :class:`~flyspec.engine.Engine`.
 
@@ -101,6 +102,9 @@ def create_app(
     ``api_key``: when set, every ``/v1`` route (and ``/metrics`` with ``metrics_require_key``)
     needs ``Authorization: Bearer <api_key>``, else 401. ``docs``: serve ``/docs``,
     ``/redoc`` and ``/openapi.json`` (off by default: they describe the server to anyone).
+    ``engine_executor``: the single thread that loaded the engine, to generate on
+    (:func:`~flyspec.server.scheduler.engine_thread`: torch runs faster when one thread
+    only ever calls it); without one the app starts its own engine thread.
     """
     if queue_size < 0:
         raise ValueError(f"queue_size must be >= 0, got {queue_size}")
@@ -119,6 +123,7 @@ def create_app(
         engine,
         max_waiting=queue_size,
         on_finished=lambda job: metrics.observe_generation(job.config.mode, job.stats, job.outcome),
+        executor=engine_executor,
     )
     metrics.queue_length.read = lambda: queue.waiting
     metrics.running.read = lambda: queue.running

@@ -141,19 +141,23 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from flyspec.server.app import create_app
+        from flyspec.server.scheduler import engine_thread
     except ImportError as error:
         raise FlyspecError(
             f"flyspec serve needs the 'serve' extra ({error.name} is missing): "
             "pip install 'flyspec[serve]'"
         ) from None
 
-    engine = load_engine(args, with_draft=not args.no_draft)
+    # The models load on the thread that will run every generation (engine_thread says why).
+    engine_executor = engine_thread()
+    engine = engine_executor.submit(load_engine, args, with_draft=not args.no_draft).result()
     app = create_app(
         engine,
         defaults=defaults,
         model_name=args.model_name or default_model_name(args.target, engine.target_name),
         queue_size=args.queue_size,
         request_timeout=args.request_timeout,
+        engine_executor=engine_executor,
         **options,
     )
     warning = exposure_warning(args.host, api_key=api_key)

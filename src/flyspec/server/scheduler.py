@@ -119,20 +119,43 @@ class Job:
         self._events.put_nowait(_End())
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs torch in a serving process: load the models on it
+    (``engine_thread().submit(load, ...).result()``) and give it to the queue.
+
+    torch's CPU kernels run their parallel regions on an OpenMP team per calling thread.
+    Once a second thread has used torch, the process holds more OpenMP threads than cores,
+    and libgomp then stops its workers spinning between regions: every region pays a
+    futex wake-up. Measured on 2 cores (a tiny pair, 64 tokens): 0.41 s on the loading
+    thread, 0.99 s on a second thread, and the first thread slowed to 0.98 s after it.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-engine")
+
+
 class GenerationQueue:
     """The waiting line plus the single worker that feeds the engine.
 
     ``max_waiting``: how many jobs may wait while one runs; one more is refused with
     :class:`QueueFullError`. ``on_finished(job)`` is called on the event loop when a job ends
-    (metrics). Use :meth:`start` and :meth:`close` from the app's lifespan.
+    (metrics). ``executor``: the thread the engine runs on, best the one it was loaded on
+    (:func:`engine_thread`); without one, the queue starts its own. Use :meth:`start` and
+    :meth:`close` from the app's lifespan.
     """
 
-    def __init__(self, engine, *, max_waiting: int, on_finished=None) -> None:
+    def __init__(
+        self,
+        engine,
+        *,
+        max_waiting: int,
+        on_finished=None,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finished = on_finished
+        self._given_executor = executor
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
         self._wakeup: asyncio.Event | None = None
@@ -153,7 +176,7 @@ class GenerationQueue:
         """Start the worker on the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-engine")
+        self._executor = self._given_executor or engine_thread()
         self._worker = self._loop.create_task(self._work(), name="flyspec-generation-worker")
 
     async def close(self) -> None:
@@ -166,7 +189,7 @@ class GenerationQueue:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
-        if self._executor is not None:
+        if self._executor is not None and self._executor is not self._given_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, prompt_ids: Sequence[int], config: DecodeConfig, *, timeout: float) -> Job:
