@@ -27,8 +27,8 @@ FAST = {"timeout_s": 3.0, "memory_mb": 512}
 
 
 def _confined() -> bool:
-    """True when the sandbox runs programs as another, non-root user (root backends)."""
-    return sandbox_info().backend in ("namespaces", "setuid")
+    """True when the sandbox runs programs as another, non-root user (the root backend)."""
+    return sandbox_info().backend == "namespaces"
 
 
 def test_sandbox_passes_a_correct_program():
@@ -374,6 +374,11 @@ def test_eval_end_to_end_on_tiny_models_with_cache(
     assert methods["spd"]["identical_to_target"] == 2
     assert len(payload["samples"]) == 16 and payload["cache"]["misses"] == 16
     assert "| target |" in (tmp_path / "out" / "eval.md").read_text()
+    # eval.json and the console both name the sandbox backend that ran the HumanEval programs
+    assert payload["sandbox"]["backend"] == sandbox_info().backend
+    assert payload["sandbox"]["run_limits"] == sandbox_info().run_limits
+    banner = f"sandbox for HumanEval programs: {sandbox_info().backend}, run-wide limits by"
+    assert banner in capsys.readouterr().err
     generated = calls["n"]
     assert generated >= 16  # plus warm-ups
 

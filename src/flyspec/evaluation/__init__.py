@@ -103,7 +103,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--exec-memory-mb",
         type=int,
         default=1024,
-        help="address-space limit per HumanEval program, MiB (default 1024)",
+        help="memory budget per HumanEval run, all its processes together (and address-space "
+        "limit of each), MiB (default 1024)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run_eval)
@@ -193,6 +194,19 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
             cfg.FlyConfig(theta=theta, window=window, entropy=base.fly.entropy)
     methods = build_methods(modes, thetas, windows)
 
+    sandbox = None
+    if "humaneval" in task_names:
+        from flyspec.evaluation.sandbox import sandbox_info
+
+        # Before anything is written or loaded: a bad FLYSPEC_SANDBOX is a one-line error.
+        sandbox = sandbox_info().as_dict()
+        _say(
+            f"sandbox for HumanEval programs: {sandbox['backend']}, run-wide limits by "
+            f"{sandbox['run_limits']} ({sandbox['interpreter']})"
+        )
+        for note in sandbox["notes"]:
+            _say(f"  note: {note}")
+
     runs = []
     for name in task_names:
         task = make_task(name, timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
@@ -207,15 +221,6 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     output = args.output or Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
     output.mkdir(parents=True, exist_ok=True)
     cache = GenerationCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
-
-    sandbox = None
-    if "humaneval" in task_names:
-        from flyspec.evaluation.sandbox import sandbox_info
-
-        sandbox = sandbox_info().as_dict()
-        _say(f"sandbox for HumanEval programs: {sandbox['backend']} ({sandbox['interpreter']})")
-        for note in sandbox["notes"]:
-            _say(f"  note: {note}")
 
     with_draft = any(m.config(base).uses_draft_model for m in methods)
     engine = load_engine(args, with_draft=with_draft)

@@ -2,8 +2,9 @@
 
 * HumanEval pass@1: the model continues the problem's function inside a ```python block; the
   code is extracted from whatever came back (a fenced block, a full definition repeating the
-  signature, or a bare body), cleaned of top-level test code, and run in the sandbox with the
-  problem's ``test`` followed by ``check(entry_point)``.
+  signature, or a bare body), cleaned of top-level test code, and run in the sandbox; the
+  problem's ``test`` runs in the sandbox's trusted supervisor, which calls the function in the
+  program's process with plain values (:class:`flyspec.evaluation.sandbox.Check`).
 * GSM8K accuracy: the model reasons step by step and ends with "The answer is N"; the final
   number (after the last answer marker, else the last number in the text) is compared with the
   ``#### N`` reference, numerically (commas, ``$``, units and trailing zeros do not matter).
@@ -124,15 +125,27 @@ class HumanEvalTask:
         return False
 
     def program(self, problem: HumanEvalProblem, text: str) -> str:
-        """The test program: the completed function, the problem's tests, the check call."""
+        """The whole test program as one file (the completed function, the problem's tests,
+        the check call), for reading or running by hand; :meth:`score` keeps them apart."""
         code = extract_humaneval_code(problem.prompt, problem.entry_point, text)
         return f"{code}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
     def score(self, problem: HumanEvalProblem, text: str, *, chat: bool) -> Outcome:
-        from flyspec.evaluation.sandbox import run_sandboxed
+        """Run the completed function in the sandbox and the problem's tests in its trusted
+        supervisor, which calls the function with plain values: the generated code cannot
+        reach the tests, so it cannot fake a pass."""
+        from flyspec.evaluation.sandbox import Check, run_sandboxed
 
+        check = Check(
+            tests=problem.test,
+            entry_point=problem.entry_point,
+            prelude=_sanitize(problem.prompt),  # helpers some tests call (e.g. HumanEval/32)
+        )
         result = run_sandboxed(
-            self.program(problem, text), timeout_s=self.timeout_s, memory_mb=self.memory_mb
+            extract_humaneval_code(problem.prompt, problem.entry_point, text),
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            check=check,
         )
         return Outcome(result.passed, result.status, result.detail[-600:])
 
