@@ -20,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,19 +188,17 @@ class Watch:
         if self.by_namespace:
             return  # the supervisor was PID 1 of the run's namespace: all of it is gone
         session = self.process.pid
-        for _ in range(50):
-            alive = [pid for pid in self._tree() if pid != self.process.pid]
+
+        def alive() -> list[int]:
+            pids = [pid for pid in self._tree() if pid != self.process.pid]
             for entry in os.scandir("/proc"):
                 if entry.name.isdigit() and int(entry.name) != self.process.pid:
                     state = _stat(int(entry.name))
                     if state is not None and state[1] == session and state[0] != "Z":
-                        alive.append(int(entry.name))
-            if not alive:
-                return
-            for pid in alive:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.002)
+                        pids.append(int(entry.name))
+            return pids
+
+        kill_until_gone(alive, attempts=50, pause_s=0.002)
 
     def note(self) -> str:
         """What a failed run's detail should also say about the limits."""
@@ -454,14 +453,7 @@ class RunCgroup:
         if self.version == 2 and self.memory is not None:
             with contextlib.suppress(OSError):
                 _write(self.memory / "cgroup.kill", 1)
-        for _ in range(200):
-            alive = self.processes()
-            if not alive:
-                return
-            for pid in alive:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+        kill_until_gone(self.processes, attempts=200, pause_s=0.005)
 
     def remove(self) -> None:
         for folder in reversed(self.folders):
@@ -477,3 +469,16 @@ class RunCgroup:
                     self.kill()
                     time.sleep(0.005)
         self.folders = []
+
+
+def kill_until_gone(alive: Callable[[], list[int]], *, attempts: int, pause_s: float) -> None:
+    """SIGKILL the processes ``alive()`` names, again after ``pause_s``, until it names none
+    (at most ``attempts`` rounds: a process that forks as fast as it is killed is bounded)."""
+    for _ in range(attempts):
+        pids = alive()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(pause_s)
