@@ -290,8 +290,18 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     [(method, speed, speedup)] = compare_reports(old, new)
     assert method == "fly" and speed.ratio == pytest.approx(1.4) and speed.verdict == "faster"
     assert speedup.verdict == "~"
+    from flyspec.bench.compare import main as compare_main
+
+    for name, report in (("old", old), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps(report))
+    assert compare_main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    assert "| fly | 10.00 | 14.00 (13.80-14.10 over 3 repeats) | 1.400 | faster |" in (
+        capsys.readouterr().out
+    )
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
+    assert compare_main([str(bad), str(tmp_path / "new")]) == 2
     for path in (bad, tmp_path / "missing.json"):
         code = main(["bench", "--compare", str(path), "--no-progress"])
         err = capsys.readouterr().err
