@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import math
 import os
@@ -33,7 +32,6 @@ from urllib.parse import urlsplit
 import httpx
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
-LOOPBACK_NAMES = ("localhost",)
 
 
 @dataclass
@@ -123,13 +121,10 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether the URL's host is this machine (``flyspec serve``'s own rule)."""
+    from flyspec.server.cli import is_loopback as is_loopback_host
+
+    return is_loopback_host(urlsplit(url).hostname or "")
 
 
 def build_payload(args: argparse.Namespace, index: int) -> dict:
