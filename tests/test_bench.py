@@ -267,7 +267,7 @@ def test_bench_repeats_and_compare_on_the_command_line(tiny_pair, tmp_path, caps
 
 
 def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
-    from flyspec.bench.compare import compare_reports
+    from flyspec.bench.compare import compare_reports, format_comparison
 
     old = {"methods": [{"method": "fly", "tokens_per_second": 10.0, "speedup": 2.0}]}
     new = {
@@ -299,6 +299,10 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     assert "| fly | 10.00 | 14.00 (13.80-14.10 over 3 repeats) | 1.400 | faster |" in (
         capsys.readouterr().out
     )
+    vllm_run = {**old, "config": {"baseline": "vllm-target"}}
+    text = format_comparison(vllm_run, new)
+    assert "different baselines (vllm-target in the old run, target in the new one)" in text
+    assert text.count("| n/a |") == 1
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert compare_main([str(bad), str(tmp_path / "new")]) == 2

@@ -78,14 +78,23 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         "| change |",
         "|---|---:|---:|---:|---|---:|---:|---|",
     ]
+    baselines = [report.get("config", {}).get("baseline", "target") for report in (old, new)]
+    same_baseline = baselines[0] == baselines[1]
     for method, speed, speedup in rows:
+        speedup_verdict = speedup.verdict if same_baseline else "n/a"
         lines.append(
             f"| {method} | {speed.old.describe()} | {speed.new.describe()} | "
             f"{speed.ratio:.3f} | {speed.verdict} | {speedup.old.describe(unit='x')} | "
-            f"{speedup.new.describe(unit='x')} | {speedup.verdict} |"
+            f"{speedup.new.describe(unit='x')} | {speedup_verdict} |"
         )
     if not rows:
         lines.append("| (no method in both runs) | | | | | | | |")
+    if not same_baseline:
+        lines += [
+            "",
+            f"The speedups are over different baselines ({baselines[0]} in the old run, "
+            f"{baselines[1]} in the new one): they are not compared.",
+        ]
     lines += [
         "",
         "change: faster/slower where the runs' ranges over their repeats do not overlap and "
