@@ -126,8 +126,8 @@ def engine_thread() -> ThreadPoolExecutor:
     torch's CPU kernels run their parallel regions on an OpenMP team per calling thread.
     Once a second thread has used torch, the process holds more OpenMP threads than cores,
     and libgomp then stops its workers spinning between regions: every region pays a
-    futex wake-up. Measured on 2 cores (a tiny pair, 64 tokens): 0.41 s on the loading
-    thread, 0.99 s on a second thread, and the first thread slowed to 0.98 s after it.
+    futex wake-up. ``benchmarks/torch_threads.py`` on 2 cores (the default pair, 64 tokens):
+    5.51 s on the loading thread, 6.34 s on a second thread, 6.19 s on the first after it.
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-engine")
 
