@@ -343,3 +343,101 @@ def test_spd_with_draft_confidence_is_still_the_targets_greedy_output(target, dr
         for prompt in PROMPTS:
             assert run(decoder, prompt, config, stats) == target_greedy(target, prompt, 30)
         assert min(r.drafted for r in stats.rounds) < 6  # some blocks did end early
+
+
+def teacher_forced_argmax(model, prompt, tokens):
+    """The target's greedy token before each of ``tokens`` given everything before it."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(tokens)])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
+
+
+def check_loosened_output(target, prompt, tokens, stats, window):
+    """What any FLy output must satisfy: every token is the target's own greedy token except
+    the recorded loose ones, and the ``window`` tokens after a loose one are the target's."""
+    greedy = teacher_forced_argmax(target, prompt, tokens)
+    mismatches = [i for i, (t, g) in enumerate(zip(tokens, greedy, strict=True)) if t != g]
+    records = stats.loose_tokens
+    assert mismatches == [r.output_index for r in records]
+    for record in records:
+        assert tokens[record.output_index] == record.draft_token
+        assert greedy[record.output_index] == record.target_token
+        assert record.rank >= 2 and 0 < record.ratio <= 1
+        following = range(record.output_index + 1, record.output_index + 1 + window)
+        assert all(tokens[i] == greedy[i] for i in following if i < len(tokens))
+        assert record.output_index + window < len(tokens) or stats.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("k, window", [(4, 3), (6, 2), (5, 5)])
+def test_deferral_across_blocks_keeps_the_rule(target, close_draft, k, window):
+    decoder = SpeculativeDecoder(target, close_draft)
+    prompt_stats = []
+    for prompt in PROMPTS:
+        stats = RequestStats()
+        config = DecodeConfig(
+            mode="fly", k=k, fly=FlyConfig(window=window, theta=0.0, defer=True), max_new_tokens=40
+        )
+        tokens = run(decoder, prompt, config, stats)
+        assert len(tokens) == stats.emitted == 40
+        assert stats.accepted + stats.loosely_accepted + stats.rejected == stats.drafted
+        check_loosened_output(target, prompt, tokens, stats, window)
+        prompt_stats.append(stats)
+    confirmed = sum(s.deferrals("confirmed") for s in prompt_stats)
+    rolled_back = sum(s.deferrals("rolled_back") for s in prompt_stats)
+    assert confirmed > 0 and rolled_back > 0
+    assert sum(r.deferral == "wasted" for s in prompt_stats for r in s.rounds) == rolled_back
+    assert any(r.deferred for s in prompt_stats for r in s.loose_tokens)
+    assert sum(len(s.loose_tokens) for s in prompt_stats) == sum(
+        s.loosely_accepted for s in prompt_stats
+    )
+
+
+def test_the_plausibility_floor_keeps_only_plausible_tokens(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft)
+    floor = FlyConfig(window=1, theta=0.0, min_ratio=0.5, max_rank=2)
+    stats = RequestStats()
+    tokens = run(decoder, PROMPTS[0], DecodeConfig(mode="fly", k=8, fly=floor), stats)
+    check_loosened_output(target, PROMPTS[0], tokens, stats, 1)
+    assert all(r.ratio >= 0.5 and r.rank <= 2 for r in stats.loose_tokens)
+    unfloored = RequestStats()
+    paper = FlyConfig(window=1, theta=0.0)
+    run(decoder, PROMPTS[0], DecodeConfig(mode="fly", k=8, fly=paper), unfloored)
+    assert any(r.ratio < 0.5 or r.rank > 2 for r in unfloored.loose_tokens)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 9, 17])
+def test_deferral_never_emits_past_max_new_tokens(target, close_draft, max_new_tokens):
+    decoder = SpeculativeDecoder(target, close_draft)
+    stats = RequestStats()
+    config = DecodeConfig(
+        mode="fly",
+        k=4,
+        fly=FlyConfig(window=3, theta=0.0, defer=True),
+        max_new_tokens=max_new_tokens,
+    )
+    tokens = run(decoder, PROMPTS[2], config, stats)
+    assert len(tokens) == max_new_tokens == stats.emitted
+
+
+def test_deferral_with_infinite_theta_is_lossless(target, draft):
+    decoder = SpeculativeDecoder(target, draft)
+    config = DecodeConfig(
+        mode="fly", k=4, fly=FlyConfig(theta=math.inf, defer=True, min_ratio=0.5), max_new_tokens=30
+    )
+    assert run(decoder, PROMPTS[1], config) == target_greedy(target, PROMPTS[1], 30)
+
+
+def test_stopping_inside_held_tokens_counts_only_delivered_ones(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft)
+    config = DecodeConfig(
+        mode="fly", k=4, fly=FlyConfig(window=3, theta=0.0, defer=True), max_new_tokens=40
+    )
+    full = RequestStats()
+    run(decoder, PROMPTS[0], config, full)
+    for stop_after in range(1, 12):
+        stats = RequestStats()
+        events = decoder.stream(PROMPTS[0], config, stats=stats)
+        received = [next(events) for _ in range(stop_after)]
+        events.close()
+        assert stats.emitted == len(received) == stop_after
+        assert stats.finish_reason == "cancelled"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flyspec.config import SamplingConfig
+from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
 from flyspec.evaluation.sandbox import run_sandboxed, sandbox_info
 from flyspec.evaluation.tasks import (
@@ -247,7 +247,7 @@ def test_summary_reports_recovery_speedup_and_changed_outcomes(tmp_path):
     from flyspec.evaluation import report
     from flyspec.evaluation.runner import build_methods
 
-    methods = build_methods(["target", "spd", "fly"], [0.3], [6])
+    methods = build_methods(["target", "spd", "fly"], FlyConfig())
     samples = []
     for i, (target_ok, fly_ok) in enumerate(
         [(True, True), (True, False), (False, True), (True, True)]
@@ -284,10 +284,19 @@ def test_summary_reports_recovery_speedup_and_changed_outcomes(tmp_path):
 def test_methods_from_a_sweep():
     from flyspec.evaluation.runner import build_methods
 
-    names = [m.name for m in build_methods(["target", "spd", "fly"], [0.0, 0.3], [0, 4, 6])]
+    sweep = {"theta": [0.0, 0.3], "window": [0, 4, 6]}
+    names = [m.name for m in build_methods(["target", "spd", "fly"], FlyConfig(), sweep)]
     assert names[:2] == ["target", "spd"] and len(names) == 8
     assert "fly-theta0-w4" in names and "fly-theta0.3-w6" in names
-    assert [m.name for m in build_methods(["fly"], [0.3], [6])] == ["fly"]
+    assert [m.name for m in build_methods(["fly"], FlyConfig())] == ["fly"]
+    rules = {"min_ratio": [0.0, 0.1], "max_rank": [0, 5], "defer": [False, True]}
+    methods = build_methods(["fly"], FlyConfig(), rules)
+    assert len(methods) == 8
+    last = methods[-1]
+    assert last.name == "fly-theta0.3-w6-ratio0.1-rank5-defer"
+    assert last.label == "FLy θ=0.3 W=6 ratio≥0.1 top-5 deferred"
+    assert last.fly == FlyConfig(min_ratio=0.1, max_rank=5, defer=True)
+    assert last.as_dict()["defer"] is True and methods[0].as_dict()["min_ratio"] == 0.0
 
 
 # ---------------------------------------------------------------------- cache and end to end
@@ -448,7 +457,15 @@ def test_eval_rejects_bad_options(tiny_pair, tmp_path):
     from flyspec.errors import FlyspecError
     from flyspec.evaluation import run_eval
 
-    for extra in (["--task", "mmlu"], ["--modes", "fast"], ["--theta", "x"], ["--window", "-1"]):
+    for extra in (
+        ["--task", "mmlu"],
+        ["--modes", "fast"],
+        ["--theta", "x"],
+        ["--window", "-1"],
+        ["--min-ratio", "2"],
+        ["--max-rank", "-1"],
+        ["--defer", "maybe"],
+    ):
         with pytest.raises(FlyspecError):
             run_eval(_eval_args(tiny_pair, tmp_path, *extra), problems=_problems())
 
@@ -477,9 +494,10 @@ def test_limit_option_per_task():
     from flyspec.evaluation import _limits
 
     assert _limits(None) == {}
-    assert _limits("5") == {"*": 5}
-    assert _limits("humaneval=40,gsm8k=50") == {"humaneval": 40, "gsm8k": 50}
-    for bad in ("mmlu=3", "humaneval=x", "0"):
+    assert _limits("5") == {"*": (0, 5)}
+    assert _limits("humaneval=40,gsm8k=50") == {"humaneval": (0, 40), "gsm8k": (0, 50)}
+    assert _limits("humaneval=40:100") == {"humaneval": (40, 100)}
+    for bad in ("mmlu=3", "humaneval=x", "0", "humaneval=100:40", "humaneval=a:b", "-3:4"):
         with pytest.raises(FlyspecError):
             _limits(bad)
 
@@ -504,3 +522,62 @@ def test_tradeoff_labels_of_coinciding_points_are_merged():
         ((1.61, 100.0, "fly"), ["θ=1 W=4", "θ=1 W=6"]),
         ((1.61, 97.1, "fly"), ["θ=1 W=0"]),
     ]
+
+
+def _loose(ratio, rank, entropy=0.7, position=3):
+    return {
+        "output_index": 5,
+        "position": position,
+        "block_size": 15,
+        "deferred": False,
+        "draft_token": 1,
+        "target_token": 0,
+        "entropy": entropy,
+        "draft_prob": ratio / 2,
+        "top_prob": 0.5,
+        "ratio": ratio,
+        "rank": rank,
+    }
+
+
+def test_loosening_analysis_joins_loose_tokens_with_outcomes(tmp_path):
+    import dataclasses
+
+    from flyspec.evaluation import loosening, report
+    from flyspec.evaluation.runner import build_methods
+
+    methods = build_methods(["target", "fly"], FlyConfig())
+    samples = []
+    # p0 lost with two implausible loose tokens, p1 unchanged with a plausible one, p2 gained.
+    cases = [(True, False, [_loose(0.01, 9), _loose(0.04, 4)]), (True, True, [_loose(0.8, 2)])]
+    cases.append((False, True, [_loose(0.3, 2, position=9)]))
+    for i, (target_ok, fly_ok, tokens) in enumerate(cases):
+        samples.append(_sample(f"p{i}", "target", target_ok, 2.0))
+        fly = _sample(f"p{i}", "fly", fly_ok, 3.0)
+        samples.append(dataclasses.replace(fly, loose_tokens=tokens))
+    analysis = loosening.analyse(samples, methods, ["gsm8k"])
+    fly = analysis["gsm8k"]["fly"]
+    assert [r["outcome"] for r in fly["tokens"]] == ["lost", "lost", "unchanged", "gained"]
+    assert fly["features"]["lost"]["tokens"] == 2 and fly["features"]["lost"]["problems"] == 1
+    assert fly["features"]["lost"]["rank"] == [5.25, 6.5, 7.75]  # inclusive quartiles
+    assert fly["features"]["gained"]["position"] == [9.0, 9.0, 9.0]
+    floors = {row["floor"]: row for row in fly["floors"]}
+    assert floors["ratio >= 0.05"]["refused_lost"] == 1.0
+    assert floors["ratio >= 0.05"]["refused_unchanged"] == 0.0
+    assert floors["ratio >= 0.05"]["lost_problems_fully_refused"] == 1
+    assert floors["rank <= 5"]["refused_lost"] == 0.5
+    assert floors["rank <= 5"]["lost_problems_fully_refused"] == 0
+    payload = {
+        "created": "now",
+        "models": {"target": {"path": "t"}, "draft": {"path": "d"}},
+        "settings": {"decoding_summary": "greedy", "prompt_style": "chat template"},
+        "sandbox": None,
+        "cache": {"hits": 0, "misses": 6},
+        "tasks": report.summarize(samples, methods, ["gsm8k"]),
+        "loosening": analysis,
+    }
+    markdown = report.render_markdown(payload)
+    assert "## What loosening did" in markdown
+    assert "| ratio >= 0.05 | 100% | 0% | 0% | 1/1 |" in markdown
+    assert loosening.plot(tmp_path / "loose.png", analysis)
+    assert loosening.analyse(samples[:1], methods, ["gsm8k"]) == {}

@@ -114,12 +114,16 @@ class TestBatchedRule:
             accepted = drafts == logits.argmax(-1)
             fly = FlyConfig(window=window, theta=0.3)
             allowed = torch.ones_like(accepted)
-            batched = loosely_accepted(accepted, logits, allowed, fly=fly, cu_num_drafted=cu)
+            batched = loosely_accepted(
+                accepted, logits, drafts, allowed, fly=fly, cu_num_drafted=cu
+            )
             kept = num_leading_kept(accepted | batched, cu)
             start = 0
             for request, n in enumerate(num_drafted):
                 block = slice(start, start + n)
-                single = loosely_accepted(accepted[block], logits[block], allowed[block], fly=fly)
+                single = loosely_accepted(
+                    accepted[block], logits[block], drafts[block], allowed[block], fly=fly
+                )
                 assert batched[block].tolist() == single.tolist()
                 verdict = verify_greedy(
                     drafts[block], torch.cat([logits[block], logits_for([0])]), fly=fly

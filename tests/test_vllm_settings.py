@@ -146,3 +146,15 @@ def test_a_vllm_summary_pools_its_requests():
     assert summary["loose_acceptance_rate"] == round(4 / 60, 4)
     assert summary["concurrent_tokens_per_second"] == 22.0
     assert summary["kind"] == "vllm" and summary["engine_start_seconds"] == 33.3
+
+
+def test_the_plausibility_floor_reaches_vllm_and_deferral_is_refused():
+    fly = FlyConfig(window=4, theta=0.3, min_ratio=0.2, max_rank=5)
+    section = additional_config(fly)["flyspec"]
+    assert section["fly_min_ratio"] == 0.2 and section["fly_max_rank"] == 5
+    assert parse_settings(section) == fly
+    assert "fly_min_ratio" not in additional_config(FlyConfig())["flyspec"]
+    with pytest.raises(VllmPluginError, match="deferral"):
+        additional_config(FlyConfig(defer=True))
+    with pytest.raises(VllmPluginError, match="min_ratio"):
+        parse_settings({"fly_min_ratio": 3})

@@ -239,6 +239,26 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         "--entropy", default="top3", choices=cfg.ENTROPY_KINDS, help="gate entropy (default top3)"
     )
     parser.add_argument(
+        "--min-ratio",
+        type=_float,
+        default=0.0,
+        help="plausibility floor: loosen a mismatch only where the target gives the draft token "
+        "at least this fraction of its top token's probability (default 0: off)",
+    )
+    parser.add_argument(
+        "--max-rank",
+        type=int,
+        default=0,
+        help="plausibility floor: loosen only draft tokens among the target's top N "
+        "(default 0: off)",
+    )
+    parser.add_argument(
+        "--defer",
+        action="store_true",
+        help="carry a mismatch whose window does not fit in its block into the next block "
+        "(its tokens are held back until the window completes, or rolled back)",
+    )
+    parser.add_argument(
         "--temperature", type=_float, default=0.0, help="target temperature (default 0: greedy)"
     )
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
@@ -272,7 +292,14 @@ def decode_config_from_args(args: argparse.Namespace) -> cfg.DecodeConfig:
         drafter=args.drafter,
         k=args.k,
         max_new_tokens=args.max_new_tokens,
-        fly=cfg.FlyConfig(window=args.window, theta=args.theta, entropy=args.entropy),
+        fly=cfg.FlyConfig(
+            window=args.window,
+            theta=args.theta,
+            entropy=args.entropy,
+            min_ratio=args.min_ratio,
+            max_rank=args.max_rank,
+            defer=args.defer,
+        ),
         sampling=cfg.SamplingConfig(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
         ),

@@ -10,6 +10,15 @@ Mapping to the paper and the authors' released code:
 * ``theta`` is the entropy threshold of the gate (default 0.3); ``entropy="top3"`` is the
   authors' top-3 entropy in nats, ``entropy="normalized"`` the paper's full-vocabulary entropy
   divided by log |V|.
+
+Beyond the paper (all off by default, so the default rule is the paper's):
+
+* ``min_ratio`` and ``max_rank`` form a *plausibility floor*: a mismatch is loosened only where
+  the target's probability of the draft token is at least ``min_ratio`` times that of its own
+  top token, and the draft token is among its ``max_rank`` most likely tokens.
+* ``defer`` carries a mismatch whose window does not fit in its block into the next block:
+  its tokens are held back until the window completes there, or rolled back to the target's
+  correction when it fails.
 """
 
 from __future__ import annotations
@@ -55,11 +64,16 @@ def _check(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class FlyConfig:
-    """The loosening rule: entropy gate plus deferred window (DESIGN.md section 2)."""
+    """The loosening rule: entropy gate plus deferred window (docs/design.md), with the
+    optional plausibility floor (``min_ratio``, ``max_rank``) and deferral across blocks
+    (``defer``)."""
 
     window: int = DEFAULT_WINDOW
     theta: float = DEFAULT_THETA
     entropy: EntropyKind = "top3"
+    min_ratio: float = 0.0
+    max_rank: int = 0
+    defer: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -74,6 +88,24 @@ class FlyConfig:
             self.entropy in ENTROPY_KINDS,
             f"entropy must be one of {', '.join(ENTROPY_KINDS)}, got {self.entropy!r}",
         )
+        _check(
+            isinstance(self.min_ratio, (int, float))
+            and not isinstance(self.min_ratio, bool)
+            and 0 <= self.min_ratio <= 1,
+            f"min_ratio must be a number in [0, 1] (0 = off), got {self.min_ratio!r}",
+        )
+        _check(
+            isinstance(self.max_rank, int)
+            and not isinstance(self.max_rank, bool)
+            and self.max_rank >= 0,
+            f"max_rank must be an integer >= 0 (0 = off), got {self.max_rank!r}",
+        )
+        _check(isinstance(self.defer, bool), f"defer must be true or false, got {self.defer!r}")
+
+    @property
+    def beyond_paper(self) -> bool:
+        """Whether any rule beyond the paper's gate and window is on."""
+        return self.min_ratio > 0 or self.max_rank > 0 or self.defer
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,14 @@ from flyspec.config import DecodeConfig
 from flyspec.drafters import Draft, Drafter, MlaDrafter, ModelDrafter, NgramDrafter
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM
-from flyspec.stats import RequestStats, RoundStats
-from flyspec.verify import Verdict, sampling_probs, verify_greedy, verify_sampling
+from flyspec.stats import LooseToken, RequestStats, RoundStats
+from flyspec.verify import (
+    Verdict,
+    loose_token_features,
+    sampling_probs,
+    verify_greedy,
+    verify_sampling,
+)
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
 """How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,
@@ -58,6 +64,74 @@ class _BusyClock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start - self.paused
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Tokens kept tentatively after a deferred mismatch (``FlyConfig.defer``): already in
+    the context, not yet emitted; the next block confirms them or rolls them back to the
+    target's ``correction``. ``round_slot`` indexes the deferring round's statistics."""
+
+    tokens: list[int]  # the mismatched draft token, the exact matches after it, the bonus
+    origins: list[Origin]
+    need: int
+    correction: int
+    round_index: int
+    round_slot: int
+    loose_token: LooseToken
+
+    def resolve(
+        self, confirmed: bool, stats: RequestStats, *, eos_token_ids: Collection[int]
+    ) -> list[tuple[TokenEvent, int]]:
+        """Settle the deferring round's statistics; the events it now emits: the held tokens
+        when ``confirmed``, else the correction (none when that ends the request)."""
+        before = stats.rounds[self.round_slot]
+        if confirmed:
+            stats.rounds[self.round_slot] = replace(
+                before,
+                accepted=before.accepted + len(self.tokens) - 2,
+                loosely_accepted=before.loosely_accepted + 1,
+                emitted=before.emitted + len(self.tokens),
+                deferral="confirmed",
+                loose_tokens=(*before.loose_tokens, self.loose_token),
+            )
+            pairs = zip(self.tokens, self.origins, strict=True)
+            return [(self._event(token, origin), self.round_slot) for token, origin in pairs]
+        ends = self.correction in eos_token_ids
+        stats.rounds[self.round_slot] = replace(
+            before,
+            emitted=before.emitted + (not ends),
+            ended_by_eos=ends,
+            deferral="rolled_back",
+        )
+        return [] if ends else [(self._event(self.correction, "correction"), self.round_slot)]
+
+    def _event(self, token: int, origin: Origin) -> TokenEvent:
+        return TokenEvent(token=token, origin=origin, round_index=self.round_index)
+
+
+def _held_length(held: _Held | None) -> int:
+    return 0 if held is None else len(held.tokens)
+
+
+def _deliver(
+    events: Sequence[tuple[TokenEvent, int]], stats: RequestStats, clock: _BusyClock
+) -> Iterator[TokenEvent]:
+    """Yield a round's events (each with the index of the round statistics it counts in);
+    when the caller stops early, the tokens it never received are taken off their rounds'
+    ``emitted``."""
+    for delivered, (event, _) in enumerate(events, start=1):
+        clock.pause()
+        try:
+            yield event
+        except GeneratorExit:
+            for _, slot in events[delivered:]:
+                stats.rounds[slot] = replace(
+                    stats.rounds[slot], emitted=stats.rounds[slot].emitted - 1
+                )
+            stats.finish_reason = "cancelled"
+            raise
+        clock.resume()
 
 
 class SpeculativeDecoder:
@@ -141,54 +215,105 @@ class SpeculativeDecoder:
                 self.draft.logits(context[:-1])
         stats.prefill_seconds = clock.elapsed()
 
-        produced = 0
+        produced = 0  # tokens emitted so far
+        held: _Held | None = None  # tokens in the context awaiting a deferred window
         round_index = 0
         try:
-            while produced < config.max_new_tokens:
-                remaining = config.max_new_tokens - produced
+            while produced + _held_length(held) < config.max_new_tokens:
+                remaining = config.max_new_tokens - produced - _held_length(held)
                 k = 0 if drafter is None else min(config.k, remaining - 1)
                 round_start = time.perf_counter()
                 draft = drafter.propose(context, k) if k > 0 else Draft.empty()
                 draft_done = time.perf_counter()
-                verdict = self._verify(context, draft, config, target_generator)
+                verdict, target_logits = self._verify(context, draft, config, target_generator)
                 verify_done = time.perf_counter()
+                timing = {
+                    "draft_seconds": draft_done - round_start,
+                    "verify_seconds": verify_done - draft_done,
+                }
+                events: list[tuple[TokenEvent, int]] = []  # (event, index of its round stats)
 
+                if held is not None:
+                    # This block decides the window deferred from the block before.
+                    confirmed = verdict.num_leading_exact >= held.need
+                    events = held.resolve(confirmed, stats, eos_token_ids=self.eos_token_ids)
+                    produced += len(events)
+                    if not confirmed:
+                        del context[len(context) - len(held.tokens) :]
+                        context.extend(event.token for event, _ in events)
+                        stats.add_round(
+                            RoundStats(
+                                drafted=len(draft),
+                                accepted=0,
+                                loosely_accepted=0,
+                                emitted=0,
+                                deferral="wasted",
+                                **timing,
+                            )
+                        )
+                        finished = held.correction in self.eos_token_ids
+                        held = None
+                        yield from _deliver(events, stats, clock)
+                        if finished:
+                            stats.finish_reason = "stop"
+                            return
+                        round_index += 1
+                        continue
+                    held = None
+
+                deferral = verdict.deferral
+                if deferral is not None and not self._can_defer(
+                    verdict, draft, config, produced, drafter
+                ):
+                    verdict = verdict.without_deferral()
+                    deferral = None
+                records = self._loose_records(verdict, draft, target_logits, config, produced)
                 tokens = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
                 origins = [
                     "loose" if i in verdict.loose_positions else "exact"
                     for i in range(verdict.num_accepted)
                 ] + ["bonus" if verdict.is_bonus else "correction"]
+                if deferral is not None:
+                    origins[deferral.position] = "loose"
+                cut = len(tokens) if deferral is None else deferral.position
                 emitted = 0
                 finished = False
-                for token in tokens:
+                for token in tokens[:cut]:
                     if token in self.eos_token_ids:
                         finished = True
                         break
                     context.append(token)
                     emitted += 1
+                num_loose = verdict.num_loose
                 round_stats = RoundStats(
                     drafted=len(draft),
-                    accepted=verdict.num_accepted - verdict.num_loose,
-                    loosely_accepted=verdict.num_loose,
+                    accepted=min(verdict.num_accepted, cut) - num_loose,
+                    loosely_accepted=num_loose,
                     emitted=emitted,
                     ended_by_eos=finished,
-                    draft_seconds=draft_done - round_start,
-                    verify_seconds=verify_done - draft_done,
+                    deferral=None if deferral is None else "pending",
+                    loose_tokens=tuple(records[i] for i in verdict.loose_positions),
+                    **timing,
                 )
                 stats.add_round(round_stats)
+                slot = len(stats.rounds) - 1
+                if deferral is not None:
+                    held = _Held(
+                        tokens=tokens[cut:],
+                        origins=origins[cut:],
+                        need=deferral.need,
+                        correction=deferral.correction,
+                        round_index=round_index,
+                        round_slot=slot,
+                        loose_token=records[deferral.position],
+                    )
+                    context.extend(held.tokens)
+                events += [
+                    (TokenEvent(token=token, origin=origin, round_index=round_index), slot)
+                    for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
+                ]
                 produced += emitted
-                for delivered, (token, origin) in enumerate(
-                    zip(tokens[:emitted], origins[:emitted], strict=True), start=1
-                ):
-                    clock.pause()
-                    try:
-                        yield TokenEvent(token=token, origin=origin, round_index=round_index)
-                    except GeneratorExit:
-                        # The caller stopped inside this round: count what it received.
-                        stats.rounds[-1] = replace(round_stats, emitted=delivered)
-                        stats.finish_reason = "cancelled"
-                        raise
-                    clock.resume()
+                yield from _deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
                     return
@@ -198,22 +323,78 @@ class SpeculativeDecoder:
             clock.resume()
             stats.seconds = clock.elapsed()
 
+    def _can_defer(
+        self,
+        verdict: Verdict,
+        draft: Draft,
+        config: DecodeConfig,
+        produced: int,
+        drafter: Drafter | None,
+    ) -> bool:
+        """Whether a deferred window can be decided by the next block: no end-of-sequence
+        token among the held tokens, and budget left for ``need`` draft tokens after them."""
+        deferral = verdict.deferral
+        held = draft.tokens[deferral.position :].tolist() + [verdict.next_token]
+        if drafter is None or any(token in self.eos_token_ids for token in held):
+            return False
+        remaining = config.max_new_tokens - produced - deferral.position - len(held)
+        return deferral.need <= min(config.k, remaining - 1)
+
+    def _loose_records(
+        self,
+        verdict: Verdict,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        config: DecodeConfig,
+        produced: int,
+    ) -> dict[int, LooseToken]:
+        """A :class:`LooseToken` for every loosely kept (or deferred) position of the block."""
+        positions = list(verdict.loose_positions)
+        if verdict.deferral is not None:
+            positions.append(verdict.deferral.position)
+        if not positions:
+            return {}
+        index = torch.tensor(positions, device=target_logits.device)
+        draft_tokens = draft.tokens.to(target_logits.device)[index]
+        features = loose_token_features(
+            target_logits[index], draft_tokens, entropy=config.fly.entropy
+        )
+        columns = {name: values.tolist() for name, values in features.items()}
+        return {
+            position: LooseToken(
+                output_index=produced + position,
+                position=position,
+                block_size=len(draft),
+                deferred=verdict.deferral is not None and position == verdict.deferral.position,
+                draft_token=int(draft_tokens[row]),
+                target_token=int(columns["target_token"][row]),
+                entropy=float(columns["entropy"][row]),
+                draft_prob=float(columns["draft_prob"][row]),
+                top_prob=float(columns["top_prob"][row]),
+                ratio=float(columns["ratio"][row]),
+                rank=int(columns["rank"][row]),
+            )
+            for row, position in enumerate(positions)
+        }
+
     def _verify(
         self,
         context: list[int],
         draft: Draft,
         config: DecodeConfig,
         generator: torch.Generator | None,
-    ) -> Verdict:
+    ) -> tuple[Verdict, torch.Tensor]:
+        """One target forward over the block and the verdict on it, with the target's
+        ``[K+1, V]`` logits (what the loose-token records read)."""
         target_logits = self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
         draft_tokens = draft.tokens.to(target_logits.device)
         if config.sampling.greedy:
-            return verify_greedy(draft_tokens, target_logits, fly=config.loosening)
+            return verify_greedy(draft_tokens, target_logits, fly=config.loosening), target_logits
         target_probs = sampling_probs(target_logits, config.sampling)
         draft_probs = draft.probs
         if draft_probs is not None:
             draft_probs = _resize_vocab(draft_probs.to(target_probs.device), target_probs.shape[-1])
-        return verify_sampling(
+        verdict = verify_sampling(
             draft_tokens,
             draft_probs,
             target_probs,
@@ -221,6 +402,7 @@ class SpeculativeDecoder:
             target_logits=target_logits,
             generator=generator,
         )
+        return verdict, target_logits
 
 
 def _generator(

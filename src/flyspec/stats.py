@@ -9,6 +9,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class LooseToken:
+    """One loosely kept draft token and what the target thought of it (the evidence for
+    the loosening rules): its index among the request's emitted tokens, its position in a
+    block of ``block_size`` drafted tokens, whether its window completed in the next block
+    (``deferred``), and the target's entropy there (of the gate's kind), probability of the
+    draft token, ratio of that to its top token's, the draft token's rank (1 = top) and the
+    target's own token."""
+
+    output_index: int
+    position: int
+    block_size: int
+    deferred: bool
+    draft_token: int
+    target_token: int
+    entropy: float
+    draft_prob: float
+    top_prob: float
+    ratio: float
+    rank: int
+
+
+@dataclass(frozen=True)
 class RoundStats:
     """One round: draft ``drafted`` tokens, verify, keep ``accepted + loosely_accepted`` of
     them and emit ``emitted`` tokens (the kept ones plus a correction or bonus, fewer when the
@@ -21,6 +43,11 @@ class RoundStats:
     draft_seconds: float
     verify_seconds: float
     ended_by_eos: bool = False
+    deferral: str | None = None
+    """``"confirmed"`` or ``"rolled_back"`` when the round deferred a window to the next
+    block (``FlyConfig.defer``), ``"pending"`` while that is undecided; a rolled-back round's
+    successor emits nothing (``"wasted"``)."""
+    loose_tokens: tuple[LooseToken, ...] = ()
 
     @property
     def committed(self) -> int:
@@ -81,6 +108,14 @@ class RequestStats:
         return int(self._total("emitted"))
 
     @property
+    def loose_tokens(self) -> list[LooseToken]:
+        return [token for r in self.rounds for token in r.loose_tokens]
+
+    def deferrals(self, outcome: str) -> int:
+        """Rounds whose deferral ended with ``outcome`` (``confirmed``, ``rolled_back``)."""
+        return sum(r.deferral == outcome for r in self.rounds)
+
+    @property
     def draft_seconds(self) -> float:
         return float(self._total("draft_seconds"))
 
@@ -116,6 +151,8 @@ class RequestStats:
             "tokens_per_second": round(self.tokens_per_second, 4),
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
+            "deferrals_confirmed": self.deferrals("confirmed"),
+            "deferrals_rolled_back": self.deferrals("rolled_back"),
         }
 
     def summary_line(self) -> str:

@@ -22,18 +22,35 @@ from flyspec.config import FlyConfig, SamplingConfig
 
 
 @dataclass(frozen=True)
+class Deferral:
+    """A mismatch whose deferred window runs past the end of its block (``FlyConfig.defer``).
+
+    The round keeps it tentatively with the exact matches after it and the bonus; the next
+    block must then start with ``need`` exact matches, or the round is rolled back to
+    ``position`` with the target's ``correction`` there.
+    """
+
+    position: int
+    need: int
+    correction: int
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The outcome of verifying one block of ``num_drafted`` draft tokens.
 
     The round emits ``draft_tokens[:num_accepted]`` and then ``next_token``: the target's
     correction at position ``num_accepted`` if ``num_accepted < num_drafted``, else the bonus.
     ``loose_positions`` are the indices (all ``< num_accepted``) kept loosely by FLy.
+    With a ``deferral`` the whole block and the bonus are kept tentatively
+    (``num_accepted == num_drafted``); the deferred position is not in ``loose_positions``.
     """
 
     num_drafted: int
     num_accepted: int
     loose_positions: tuple[int, ...]
     next_token: int
+    deferral: Deferral | None = None
 
     @property
     def is_bonus(self) -> bool:
@@ -46,6 +63,26 @@ class Verdict:
     @property
     def num_emitted(self) -> int:
         return self.num_accepted + 1
+
+    def without_deferral(self) -> Verdict:
+        """The plain verdict: cut at the deferred position with the target's correction."""
+        if self.deferral is None:
+            return self
+        return Verdict(
+            num_drafted=self.num_drafted,
+            num_accepted=self.deferral.position,
+            loose_positions=self.loose_positions,
+            next_token=self.deferral.correction,
+        )
+
+    @property
+    def num_leading_exact(self) -> int:
+        """How many positions from the start of the block matched exactly: what completes a
+        window deferred from the block before."""
+        mismatches = list(self.loose_positions)
+        if self.deferral is not None:
+            mismatches.append(self.deferral.position)
+        return min([self.num_accepted, *mismatches])
 
 
 # --------------------------------------------------------------------------- entropy
@@ -105,6 +142,25 @@ def _block_bounds(
     return request_of, block_start[request_of], cu_num_drafted[request_of]
 
 
+def window_holds(
+    accepted: torch.Tensor, *, window: int, cu_num_drafted: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whether the ``window`` positions after each position are all accepted and inside its
+    block (``i + window <= end - 1``): ``bool[T] -> bool[T]``. One block by default; a
+    flattened batch of ragged blocks with ``cu_num_drafted`` (``long[B]``, the cumulative
+    per-request draft counts). Vectorised, no host sync."""
+    num_positions = accepted.shape[0]
+    _, _, block_end = _block_bounds(cu_num_drafted, num_positions, accepted.device)
+    # rejections_before[j] = number of rejected positions in [0, j) of the flattened batch.
+    rejections_before = torch.zeros(num_positions + 1, dtype=torch.long, device=accepted.device)
+    rejections_before[1:] = (~accepted).long().cumsum(0)
+    positions = torch.arange(num_positions, device=accepted.device)
+    window_end = positions + window + 1  # exclusive end of the window after position i
+    fits = window_end <= block_end
+    clamped_end = torch.minimum(window_end, block_end)
+    return fits & (rejections_before[clamped_end] == rejections_before[positions + 1])
+
+
 def loose_acceptance(
     accepted: torch.Tensor,
     entropy: torch.Tensor,
@@ -113,47 +169,117 @@ def loose_acceptance(
     theta: float,
     cu_num_drafted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which rejected positions FLy keeps loosely: ``bool[T], float[T] -> bool[T]``.
+    """Which rejected positions the paper's rule keeps loosely: ``bool[T], float[T] -> bool[T]``.
 
     A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
     and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
-    window to fit in the block (``i + window <= end - 1``). A second rejection inside the window
+    window to fit in the block (:func:`window_holds`). A second rejection inside the window
     means the target is correcting a real error, so the first one stays rejected.
-
-    One block by default (``T = K``); with ``cu_num_drafted`` (``long[B]``, the cumulative
-    per-request draft counts) the positions are a flattened batch of ``B`` ragged blocks and
-    every window stays inside its own request's block. Vectorised, no host sync.
     """
-    num_positions = accepted.shape[0]
-    _, _, block_end = _block_bounds(cu_num_drafted, num_positions, accepted.device)
-    rejected = ~accepted
-    # rejections_before[j] = number of rejected positions in [0, j) of the flattened batch.
-    rejections_before = torch.zeros(num_positions + 1, dtype=torch.long, device=accepted.device)
-    rejections_before[1:] = rejected.long().cumsum(0)
-    positions = torch.arange(num_positions, device=accepted.device)
-    window_end = positions + window + 1  # exclusive end of the window after position i
-    fits = window_end <= block_end
-    clamped_end = torch.minimum(window_end, block_end)
-    clean_window = rejections_before[clamped_end] == rejections_before[positions + 1]
-    return rejected & (entropy >= theta) & fits & clean_window
+    holds = window_holds(accepted, window=window, cu_num_drafted=cu_num_drafted)
+    return ~accepted & (entropy >= theta) & holds
+
+
+def plausible(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    *,
+    min_ratio: float,
+    max_rank: int,
+) -> torch.Tensor:
+    """The plausibility floor: where the target itself finds the draft token plausible.
+    ``[T, V], long[T] -> bool[T]``.
+
+    The target's probability of the draft token must be at least ``min_ratio`` times that of
+    its top token (a ratio of the raw logits' softmax, so independent of the temperature and
+    of how many tokens share the mass), and the draft token must be among its ``max_rank``
+    most likely tokens (ties with the draft token count in its favour). 0 switches either
+    test off. Negative (placeholder) draft ids are treated as token 0: callers mask them.
+    """
+    if min_ratio <= 0 and max_rank <= 0:
+        return torch.ones(draft_tokens.shape, dtype=torch.bool, device=target_logits.device)
+    logits = target_logits.float()
+    draft_logits = logits.gather(1, draft_tokens.long().clamp_min(0)[:, None])  # [T, 1]
+    ok = torch.ones(draft_tokens.shape, dtype=torch.bool, device=logits.device)
+    if min_ratio > 0:
+        log_ratio = draft_logits.squeeze(1) - logits.max(dim=-1).values
+        ok &= log_ratio >= math.log(min_ratio)
+    if max_rank > 0:
+        ok &= (logits > draft_logits).sum(dim=-1) < max_rank
+    return ok
+
+
+def loosening_candidates(
+    accepted: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    fly: FlyConfig,
+) -> torch.Tensor:
+    """Rejected positions that FLy keeps if their window holds: ``allowed`` (the target could
+    emit the draft token at all), past the entropy gate, above the plausibility floor.
+    ``bool[T], [T, V], long[T], bool[T] -> bool[T]``."""
+    entropy = target_entropy(target_logits, fly.entropy)
+    floor = plausible(target_logits, draft_tokens, min_ratio=fly.min_ratio, max_rank=fly.max_rank)
+    return ~accepted & allowed & (entropy >= fly.theta) & floor
 
 
 def loosely_accepted(
     accepted: torch.Tensor,
     target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
     allowed: torch.Tensor,
     *,
     fly: FlyConfig,
     cu_num_drafted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """FLy's loosely accepted positions: entropy gate and deferred window on the target's
-    logits, restricted to ``allowed`` positions (those whose draft token the target could
-    emit at all). ``bool[T], [T, V], bool[T] -> bool[T]``; one block or a flattened batch
-    as in :func:`loose_acceptance`."""
-    entropy = target_entropy(target_logits, fly.entropy)
-    return allowed & loose_acceptance(
-        accepted, entropy, window=fly.window, theta=fly.theta, cu_num_drafted=cu_num_drafted
-    )
+    """FLy's loosely accepted positions: :func:`loosening_candidates` whose deferred window
+    holds inside their block. ``bool[T], [T, V], long[T], bool[T] -> bool[T]``; one block, or
+    a flattened batch of ragged blocks with ``cu_num_drafted`` as in :func:`window_holds`."""
+    candidates = loosening_candidates(accepted, target_logits, draft_tokens, allowed, fly=fly)
+    return candidates & window_holds(accepted, window=fly.window, cu_num_drafted=cu_num_drafted)
+
+
+def deferred_need(
+    accepted: torch.Tensor, candidates: torch.Tensor, *, cut: int, window: int
+) -> int:
+    """How many exact matches the next block must start with to complete the window of the
+    mismatch at ``cut``, or 0 when it cannot be deferred. ``bool[K], bool[K] -> int``.
+
+    Deferrable: ``cut`` is a loosening candidate whose window runs past the end of the block
+    and every position after it in the block matched exactly.
+    """
+    num_drafted = accepted.shape[0]
+    if cut >= num_drafted or not bool(candidates[cut]):
+        return 0
+    tail = num_drafted - 1 - cut
+    if tail >= window or not bool(accepted[cut + 1 :].all()):
+        return 0
+    return window - tail
+
+
+def loose_token_features(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, *, entropy: str
+) -> dict[str, torch.Tensor]:
+    """What the target thought of loosely kept draft tokens: ``[N, V], long[N] -> {name: [N]}``.
+
+    ``entropy`` (of the gate's kind), ``draft_prob`` and ``top_prob`` (softmax of the raw
+    logits), ``ratio`` (draft_prob / top_prob), ``rank`` (1 = the target's top token) and
+    ``target_token`` (its argmax).
+    """
+    logits = target_logits.float()
+    log_probs = logits.log_softmax(dim=-1)
+    draft_log_probs = log_probs.gather(1, draft_tokens.long()[:, None]).squeeze(1)
+    top_log_probs, target_tokens = log_probs.max(dim=-1)
+    return {
+        "entropy": target_entropy(logits, entropy),
+        "draft_prob": draft_log_probs.exp(),
+        "top_prob": top_log_probs.exp(),
+        "ratio": (draft_log_probs - top_log_probs).exp(),
+        "rank": (log_probs > draft_log_probs[:, None]).sum(dim=-1) + 1,
+        "target_token": target_tokens,
+    }
 
 
 def kept_prefix(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
@@ -191,12 +317,27 @@ def first_unkept(kept: torch.Tensor) -> int:
 def _verdict(
     *,
     accepted: torch.Tensor,
+    candidates: torch.Tensor,
     loose: torch.Tensor,
     next_token_at: Callable[[int], int],
+    fly: FlyConfig | None,
 ) -> Verdict:
     num_drafted = accepted.shape[0]
     num_accepted = first_unkept(accepted | loose)
     loose_positions = tuple(int(i) for i in loose[:num_accepted].nonzero().flatten())
+    need = 0
+    if fly is not None and fly.defer:
+        need = deferred_need(accepted, candidates, cut=num_accepted, window=fly.window)
+    if need:
+        return Verdict(
+            num_drafted=num_drafted,
+            num_accepted=num_drafted,
+            loose_positions=loose_positions,
+            next_token=int(next_token_at(num_drafted)),
+            deferral=Deferral(
+                position=num_accepted, need=need, correction=int(next_token_at(num_accepted))
+            ),
+        )
     return Verdict(
         num_drafted=num_drafted,
         num_accepted=num_accepted,
@@ -222,12 +363,19 @@ def verify_greedy(
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     num_drafted = draft_tokens.shape[0]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
-    loose = torch.zeros_like(accepted)
+    candidates = loose = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
-        loose = loosely_accepted(accepted, block_logits, possible, fly=fly)
-    return _verdict(accepted=accepted, loose=loose, next_token_at=lambda n: target_tokens[n])
+        candidates = loosening_candidates(accepted, block_logits, draft_tokens, possible, fly=fly)
+        loose = candidates & window_holds(accepted, window=fly.window)
+    return _verdict(
+        accepted=accepted,
+        candidates=candidates,
+        loose=loose,
+        next_token_at=lambda n: target_tokens[n],
+        fly=fly,
+    )
 
 
 # --------------------------------------------------------------------------- temperature > 0
@@ -283,13 +431,14 @@ def verify_sampling(
     uniforms = torch.rand(num_drafted, generator=generator, device=target_probs.device)
     accepted = speculative_acceptance(target_at_draft, draft_at_draft, uniforms)  # [K]
 
-    loose = torch.zeros_like(accepted)
+    candidates = loose = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         if target_logits is None:
             raise ValueError("target_logits are needed for the FLy entropy gate")
-        loose = loosely_accepted(
-            accepted, target_logits[:num_drafted], target_at_draft > 0, fly=fly
+        candidates = loosening_candidates(
+            accepted, target_logits[:num_drafted], draft_tokens, target_at_draft > 0, fly=fly
         )
+        loose = candidates & window_holds(accepted, window=fly.window)
 
     def next_token_at(cut: int) -> int:
         if cut == num_drafted:
@@ -301,7 +450,13 @@ def verify_sampling(
             generator=generator,
         )
 
-    return _verdict(accepted=accepted, loose=loose, next_token_at=next_token_at)
+    return _verdict(
+        accepted=accepted,
+        candidates=candidates,
+        loose=loose,
+        next_token_at=next_token_at,
+        fly=fly,
+    )
 
 
 def sample_correction(

@@ -154,7 +154,7 @@ def check_mixed_batch(seed: int) -> int:
             at_draft = probs[torch.arange(len(block_drafts)), block_drafts]
             accepted = speculative_acceptance(at_draft, torch.ones_like(at_draft), draws[block])
             allowed = at_draft > 0
-        loose = loosely_accepted(accepted, logits[block], allowed, fly=FLY)
+        loose = loosely_accepted(accepted, logits[block], block_drafts, allowed, fly=FLY)
         cut = first_unkept(accepted | loose)
         sampled_loose += int(loose[:cut].sum()) if temperatures[request] else 0
         assert row[:cut] == block_drafts[:cut].tolist()

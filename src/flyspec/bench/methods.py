@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from flyspec.config import DecodeConfig
@@ -104,9 +104,7 @@ class FlyspecMethod:
         if mode != "target":
             self.settings["k"] = config.k
         if mode == "fly":
-            self.settings.update(
-                window=config.fly.window, theta=config.fly.theta, entropy=config.fly.entropy
-            )
+            self.settings.update(asdict(config.fly))
 
     def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
         config = self.config.with_updates(

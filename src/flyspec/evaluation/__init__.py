@@ -59,6 +59,23 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="FLy deferred window(s) W, comma-separated, e.g. 0,4,6 (default 6)",
     )
     parser.add_argument(
+        "--min-ratio",
+        default="0",
+        help="FLy plausibility floor(s): least target probability of the draft token relative "
+        "to the target's top token, comma-separated, e.g. 0,0.1 (default 0: off)",
+    )
+    parser.add_argument(
+        "--max-rank",
+        default="0",
+        help="FLy plausibility floor(s): the draft token among the target's top N, "
+        "comma-separated (default 0: off)",
+    )
+    parser.add_argument(
+        "--defer",
+        default="off",
+        help="FLy deferral across blocks: off, on, or off,on for both (default off)",
+    )
+    parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=None,
@@ -73,8 +90,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "--limit",
         default=None,
-        help="first N problems of each task, or per task as humaneval=N,gsm8k=M "
-        "(default: humaneval 40, gsm8k 40)",
+        help="first N problems of each task, or per task as humaneval=N,gsm8k=M; START:END "
+        "takes problems START to END-1, e.g. humaneval=40:100 (default: humaneval 40, gsm8k 40)",
     )
     parser.add_argument(
         "--prompt-style",
@@ -131,23 +148,36 @@ def _numbers(text: str, kind, option: str) -> list:
         raise FlyspecError(f"{option}: not a list of numbers: {text!r}") from None
 
 
-def _limits(text: str | None) -> dict[str, int]:
-    """``"40"`` -> every task 40; ``"humaneval=40,gsm8k=50"`` -> per task (key ``*`` = all)."""
+def _limits(text: str | None) -> dict[str, tuple[int, int]]:
+    """``"40"`` -> every task (0, 40); ``"humaneval=40,gsm8k=10:50"`` -> per task (key ``*`` =
+    all): the problems ``start`` to ``end - 1``."""
     from flyspec.errors import FlyspecError
 
-    limits: dict[str, int] = {}
+    limits: dict[str, tuple[int, int]] = {}
     for item in _split(text):
         name, _, value = item.rpartition("=")
         name = name.strip() or "*"
         if name != "*" and name not in TASKS:
             raise FlyspecError(f"--limit: unknown task {name!r}; choose from {', '.join(TASKS)}")
+        start, _, end = value.rpartition(":")
         try:
-            limits[name] = int(value)
+            bounds = (int(start or 0), int(end))
         except ValueError:
-            raise FlyspecError(f"--limit: not a number: {value!r}") from None
-        if limits[name] < 1:
-            raise FlyspecError("--limit must be at least 1")
+            raise FlyspecError(f"--limit: not a number or START:END: {value!r}") from None
+        if bounds[0] < 0 or bounds[1] <= bounds[0]:
+            raise FlyspecError(f"--limit must take at least one problem, got {value!r}")
+        limits[name] = bounds
     return limits
+
+
+def _switches(text: str) -> list[bool]:
+    from flyspec.errors import FlyspecError
+
+    values = {"off": False, "on": True}
+    items = _split(text)
+    if not items or any(item not in values for item in items):
+        raise FlyspecError(f"--defer takes off, on or off,on, got {text!r}")
+    return [values[item] for item in items]
 
 
 def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
@@ -156,7 +186,7 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     from flyspec import config as cfg
     from flyspec.cli import decode_config_from_args, load_engine
     from flyspec.errors import FlyspecError
-    from flyspec.evaluation import report
+    from flyspec.evaluation import loosening, report
     from flyspec.evaluation.cache import GenerationCache, decoding_identity, default_cache_dir
     from flyspec.evaluation.runner import TaskRun, build_methods, evaluate
     from flyspec.evaluation.tasks import load_problems, make_task
@@ -171,8 +201,13 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
             raise FlyspecError(f"unknown mode {mode!r}; choose from {', '.join(cfg.MODES)}")
     if not modes:
         raise FlyspecError("--modes needs at least one method")
-    thetas = _numbers(args.theta, float, "--theta")
-    windows = _numbers(args.window, int, "--window")
+    rules = {
+        "theta": _numbers(args.theta, float, "--theta"),
+        "window": _numbers(args.window, int, "--window"),
+        "min_ratio": _numbers(args.min_ratio, float, "--min-ratio"),
+        "max_rank": _numbers(args.max_rank, int, "--max-rank"),
+        "defer": _switches(args.defer),
+    }
     limits = _limits(args.limit)
     if args.exec_timeout <= 0 or args.exec_memory_mb <= 0:
         raise FlyspecError("--exec-timeout and --exec-memory-mb must be positive")
@@ -182,17 +217,13 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
             **{
                 **vars(args),
                 "mode": "fly",
-                "theta": thetas[0],
-                "window": windows[0],
+                **{name: values[0] for name, values in rules.items()},
                 "max_new_tokens": args.max_new_tokens or 1,
                 "stop": list(args.stop),
             }
         )
     )
-    for theta in thetas:
-        for window in windows:
-            cfg.FlyConfig(theta=theta, window=window, entropy=base.fly.entropy)
-    methods = build_methods(modes, thetas, windows)
+    methods = build_methods(modes, base.fly, rules)  # every combination validated
 
     sandbox = None
     if "humaneval" in task_names:
@@ -210,13 +241,13 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     runs = []
     for name in task_names:
         task = make_task(name, timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
-        limit = limits.get(name, limits.get("*", task.default_limit))
+        start, end = limits.get(name, limits.get("*", (0, task.default_limit)))
         if problems is not None:
-            chosen = list(problems.get(name, []))[:limit]
+            chosen = list(problems.get(name, []))[start:end]
         else:
-            chosen = list(load_problems(name, limit))
+            chosen = list(load_problems(name, end))[start:]
         max_new_tokens = args.max_new_tokens or task.default_max_new_tokens
-        runs.append(TaskRun(task=task, problems=chosen, max_new_tokens=max_new_tokens))
+        runs.append(TaskRun(task=task, problems=chosen, max_new_tokens=max_new_tokens, first=start))
 
     output = args.output or Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
     output.mkdir(parents=True, exist_ok=True)
@@ -260,6 +291,7 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
             "tasks": {
                 run.task.name: {
                     "problems": len(run.problems),
+                    "range": [run.first, run.first + len(run.problems)],
                     "max_new_tokens": run.max_new_tokens,
                     "version": run.task.version,
                 }
@@ -281,17 +313,22 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
             "them; speedup and tokens/s are computed from those",
         },
         "tasks": report.summarize(samples, methods, task_names),
+        "loosening": loosening.analyse(samples, methods, task_names),
         "samples": [s.as_dict() for s in samples],
     }
     if report.plot_tradeoff(output / "tradeoff.png", payload):
         payload["plot"] = "tradeoff.png"
+    if loosening.plot(output / "loosening.png", payload["loosening"]):
+        payload["loosening_plot"] = "loosening.png"
     report.write_json(output / "eval.json", payload)
     markdown = report.render_markdown(payload)
     (output / "eval.md").write_text(markdown, encoding="utf-8")
     print(markdown)
     _say(
         f"done in {elapsed:.0f}s ({cache.hits} cached, {cache.misses} generated); "
-        f"results in {output}/ (eval.json, eval.md{', tradeoff.png' if 'plot' in payload else ''})"
+        f"results in {output}/ (eval.json, eval.md"
+        f"{', tradeoff.png' if 'plot' in payload else ''}"
+        f"{', loosening.png' if 'loosening_plot' in payload else ''})"
     )
     return 0
 

@@ -80,6 +80,10 @@ def decoding_identity(config: DecodeConfig) -> dict:
     else:
         if config.loosening is None:
             settings.pop("fly")
+        else:  # keys made before the rules beyond the paper existed stay valid
+            for name, off in (("min_ratio", 0.0), ("max_rank", 0), ("defer", False)):
+                if settings["fly"][name] == off:
+                    settings["fly"].pop(name)
         # 2: a draft block ends at its first end-of-sequence token, which changes where
         # FLy's window fits near the end of an answer (generations made before miss once).
         settings["block_rule"] = 2

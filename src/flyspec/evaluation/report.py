@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from flyspec.evaluation import loosening
 from flyspec.evaluation.runner import Method, Sample
 from flyspec.stats import mean_speedup
 
@@ -243,6 +244,9 @@ def render_markdown(payload: dict) -> str:
             lines.append("")
     if payload.get("plot"):
         lines += [f"![recovery vs speedup]({payload['plot']})", ""]
+    lines += loosening.render_markdown(payload.get("loosening") or {})
+    if payload.get("loosening_plot"):
+        lines += [f"![loose tokens by outcome]({payload['loosening_plot']})", ""]
     lines += [
         "Speedup: mean per-sample tokens/s of the method over that of the target alone on the "
         "same problems. s/problem: mean decoder seconds per problem (prefill included); its "

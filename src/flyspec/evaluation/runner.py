@@ -6,13 +6,14 @@ starts, so slow drifts of the machine's load hit all methods alike.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.evaluation.cache import GenerationCache, generation_key, model_identity
 from flyspec.evaluation.tasks import Outcome, Task
 from flyspec.stats import RequestStats
@@ -20,12 +21,12 @@ from flyspec.stats import RequestStats
 
 @dataclass(frozen=True)
 class Method:
-    """One way of decoding: the target alone, exact SPD, or FLy at one (theta, window)."""
+    """One way of decoding: the target alone, exact SPD, or FLy with one rule (``fly``: the
+    paper's gate and window, and the optional rules beyond it)."""
 
     name: str
     mode: str
-    theta: float | None = None
-    window: int | None = None
+    fly: FlyConfig | None = None
 
     @property
     def label(self) -> str:
@@ -33,49 +34,79 @@ class Method:
             return "target"
         if self.mode == "spd":
             return "SPD"
-        return f"FLy θ={self.theta:g} W={self.window}"
+        return fly_label(self.fly)
 
     def config(self, base: DecodeConfig) -> DecodeConfig:
         if self.mode != "fly":
             return base.with_updates(mode=self.mode)
-        return base.with_updates(
-            mode="fly", fly=replace(base.fly, theta=self.theta, window=self.window)
-        )
+        return base.with_updates(mode="fly", fly=self.fly)
 
     def as_dict(self) -> dict:
+        rule = {} if self.fly is None else asdict(self.fly)
         return {
             "name": self.name,
             "label": self.label,
             "mode": self.mode,
-            "theta": self.theta,
-            "window": self.window,
+            "theta": rule.get("theta"),
+            "window": rule.get("window"),
+            "min_ratio": rule.get("min_ratio"),
+            "max_rank": rule.get("max_rank"),
+            "defer": rule.get("defer"),
         }
 
 
+def fly_label(fly: FlyConfig) -> str:
+    """``FLy θ=0.3 W=6``, with the rules beyond the paper that are on."""
+    parts = [f"FLy θ={fly.theta:g} W={fly.window}"]
+    if fly.min_ratio > 0:
+        parts.append(f"ratio≥{fly.min_ratio:g}")
+    if fly.max_rank > 0:
+        parts.append(f"top-{fly.max_rank}")
+    if fly.defer:
+        parts.append("deferred")
+    return " ".join(parts)
+
+
+def fly_name(fly: FlyConfig) -> str:
+    """``fly-theta0.3-w6``, with ``-ratio<r>``, ``-rank<n>``, ``-defer`` for the rules on."""
+    name = f"fly-theta{fly.theta:g}-w{fly.window}"
+    if fly.min_ratio > 0:
+        name += f"-ratio{fly.min_ratio:g}"
+    if fly.max_rank > 0:
+        name += f"-rank{fly.max_rank}"
+    return name + ("-defer" if fly.defer else "")
+
+
 def build_methods(
-    modes: Sequence[str], thetas: Sequence[float], windows: Sequence[int]
+    modes: Sequence[str], base: FlyConfig, rules: Mapping[str, Sequence] | None = None
 ) -> list[Method]:
-    """``target``, ``spd`` and one ``fly`` method per (theta, window): named ``fly`` when
-    there is only one combination, else ``fly-theta<θ>-w<W>``."""
+    """``target``, ``spd`` and one ``fly`` method per combination of the FLy settings in
+    ``rules`` (field of :class:`FlyConfig` -> values; the others from ``base``): named ``fly``
+    when there is only one combination, else by :func:`fly_name`."""
+    rules = {name: list(dict.fromkeys(values)) for name, values in (rules or {}).items()}
+    combos = [
+        replace(base, **dict(zip(rules, values, strict=True)))
+        for values in itertools.product(*rules.values())
+    ]
     methods: list[Method] = []
     for mode in dict.fromkeys(modes):
         if mode in ("target", "spd"):
             methods.append(Method(mode, mode))
             continue
-        combos = [(t, w) for t in dict.fromkeys(thetas) for w in dict.fromkeys(windows)]
-        for theta, window in combos:
-            name = "fly" if len(combos) == 1 else f"fly-theta{theta:g}-w{window}"
-            methods.append(Method(name, "fly", float(theta), int(window)))
+        for fly in combos:
+            methods.append(Method("fly" if len(combos) == 1 else fly_name(fly), "fly", fly))
     return methods
 
 
 @dataclass(frozen=True)
 class TaskRun:
-    """A task, its problems and the token budget of one generation."""
+    """A task, its problems (from index ``first`` of its dataset) and the token budget of
+    one generation."""
 
     task: Task
     problems: Sequence
     max_new_tokens: int
+    first: int = 0
 
 
 @dataclass
@@ -92,6 +123,7 @@ class Sample:
     key: str
     outcome: Outcome
     token_ids: list[int] = field(default_factory=list)
+    loose_tokens: list[dict] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -110,6 +142,8 @@ class Sample:
             "cache_key": self.key,
             "stats": self.stats,
         }
+        if self.loose_tokens:
+            data["loose_tokens"] = self.loose_tokens
         if with_text:
             data["text"] = self.text
         return data
@@ -205,6 +239,7 @@ def evaluate(
                         key=key,
                         outcome=outcome,
                         token_ids=list(entry.get("token_ids", [])),
+                        loose_tokens=list(entry.get("loose_tokens", [])),
                     )
                     samples.append(sample)
                     if on_sample is not None:
@@ -251,6 +286,9 @@ def _generate(
         "max_new_tokens": config.max_new_tokens,
         "prompt_tokens": len(prompt_ids),
         "stats": summary,
+        "loose_tokens": [
+            asdict(token) for token in stats.loose_tokens if token.output_index < len(token_ids)
+        ],
         "finish_reason": "answer" if answered else stats.finish_reason,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -209,7 +209,12 @@ class FlyVerifier:
             allowed &= greedy_position | ((target_at_draft > 0) & (draft_at_draft > 0))
         accepted &= real_draft
         loose = loosely_accepted(
-            accepted, target_logits, allowed, fly=self.fly, cu_num_drafted=cu_num_draft_tokens
+            accepted,
+            target_logits,
+            draft_ids,
+            allowed,
+            fly=self.fly,
+            cu_num_drafted=cu_num_draft_tokens,
         )
         kept = accepted | loose
         self.counter.add(loose & kept_prefix(kept, cu_num_draft_tokens))

@@ -30,7 +30,17 @@ from flyspec.errors import FlyspecError
 SECTION = "flyspec"
 ENV_VARIABLE = "FLYSPEC_VLLM"
 METHODS = ("fly", "standard")
-KEYS = ("rejection_sample_method", "fly_window_size", "fly_entropy_threshold", "fly_entropy")
+KEYS = (
+    "rejection_sample_method",
+    "fly_window_size",
+    "fly_entropy_threshold",
+    "fly_entropy",
+    "fly_min_ratio",
+    "fly_max_rank",
+)
+"""The first four are the names of vLLM's open FLy pull request; the plausibility floor's two
+are flyspec's own. Deferral across blocks holds tokens back between engine steps, which vLLM's
+scheduler does not allow: it is not offered here."""
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 """vLLM releases whose verification seam the plugin is tested on (the CPU build here)."""
 
@@ -66,7 +76,13 @@ def parse_settings(section: Any) -> FlyConfig | None:
     if isinstance(window, bool) or isinstance(theta, bool):
         raise VllmPluginError("fly_window_size and fly_entropy_threshold must be numbers")
     try:
-        fly = FlyConfig(window=window, theta=theta, entropy=section.get("fly_entropy", "top3"))
+        fly = FlyConfig(
+            window=window,
+            theta=theta,
+            entropy=section.get("fly_entropy", "top3"),
+            min_ratio=section.get("fly_min_ratio", 0.0),
+            max_rank=section.get("fly_max_rank", 0),
+        )
     except ConfigError as error:
         raise VllmPluginError(f"bad additional_config['{SECTION}']: {error}") from None
     if method == "standard" or math.isinf(fly.theta):
@@ -98,11 +114,19 @@ def additional_config(fly: FlyConfig | None) -> dict[str, Any]:
     verification exact for None)."""
     if fly is None or math.isinf(fly.theta):
         return {SECTION: {"rejection_sample_method": "standard"}}
-    return {
-        SECTION: {
-            "rejection_sample_method": "fly",
-            "fly_window_size": fly.window,
-            "fly_entropy_threshold": fly.theta,
-            "fly_entropy": fly.entropy,
-        }
+    if fly.defer:
+        raise VllmPluginError(
+            "deferral across blocks (--defer) is not available inside vLLM: drop it, or use "
+            "flyspec's own engine"
+        )
+    section = {
+        "rejection_sample_method": "fly",
+        "fly_window_size": fly.window,
+        "fly_entropy_threshold": fly.theta,
+        "fly_entropy": fly.entropy,
     }
+    if fly.min_ratio > 0:
+        section["fly_min_ratio"] = fly.min_ratio
+    if fly.max_rank > 0:
+        section["fly_max_rank"] = fly.max_rank
+    return {SECTION: section}

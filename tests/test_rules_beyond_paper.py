@@ -1,0 +1,214 @@
+"""The rules beyond the paper (plausibility floor, deferral across blocks) on synthetic logits,
+checked against a plain statement of the whole rule over every pattern of short blocks."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flyspec.config import ConfigError, FlyConfig
+from flyspec.verify import (
+    deferred_need,
+    loose_token_features,
+    loosely_accepted,
+    plausible,
+    verify_greedy,
+    verify_sampling,
+)
+
+V = 8
+TARGET, DRAFTED = 0, 1  # the target's token at every position, and a mismatching draft token
+# What the target thinks at a position where the draft did not match:
+CERTAIN = "c"  # sure of its own token: entropy ~ 0
+PLAUSIBLE = "p"  # unsure, and the draft token is its close second (ratio 0.9, rank 2)
+IMPLAUSIBLE = "i"  # unsure between other tokens; the draft token is far behind (rank 4)
+MATCH = "a"  # the draft token is the target's
+
+
+def row(kind: str) -> torch.Tensor:
+    logits = torch.full((V,), -30.0)
+    logits[TARGET] = 3.0
+    if kind == CERTAIN:
+        logits[TARGET] = 30.0
+    elif kind == PLAUSIBLE:
+        logits[DRAFTED], logits[2] = 3.0 + math.log(0.9), 2.8
+    elif kind == IMPLAUSIBLE:
+        logits[DRAFTED], logits[2], logits[3] = -5.0, 2.9, 2.8
+    return logits
+
+
+def block(kinds: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens ``long[K]`` and target logits ``[K+1, V]`` (the bonus row is certain)."""
+    drafts = torch.tensor([TARGET if k == MATCH else DRAFTED for k in kinds])
+    logits = torch.stack([row(k) for k in kinds] + [row(CERTAIN)])
+    return drafts, logits
+
+
+def oracle(kinds: str, fly: FlyConfig) -> tuple[int, list[int], int]:
+    """The rule stated plainly: (cut, loose positions, deferred need; 0 = no deferral)."""
+    floor = fly.min_ratio > 0 or fly.max_rank > 0
+    loose = []
+    for i, kind in enumerate(kinds):
+        if kind == MATCH:
+            continue
+        candidate = kind == PLAUSIBLE or (kind == IMPLAUSIBLE and not floor)
+        window = kinds[i + 1 : i + 1 + fly.window]
+        fits = i + fly.window <= len(kinds) - 1
+        if candidate and fits and all(k == MATCH for k in window):
+            loose.append(i)
+            continue
+        tail = kinds[i + 1 :]
+        if fly.defer and candidate and not fits and all(k == MATCH for k in tail):
+            return i, loose, fly.window - len(tail)
+        return i, loose, 0
+    return len(kinds), loose, 0
+
+
+RULES = [
+    FlyConfig(window=2, theta=0.3),
+    FlyConfig(window=2, theta=0.3, min_ratio=0.5),
+    FlyConfig(window=3, theta=0.3, max_rank=2),
+    FlyConfig(window=2, theta=0.3, defer=True),
+    FlyConfig(window=3, theta=0.3, min_ratio=0.5, defer=True),
+    FlyConfig(window=1, theta=0.3, max_rank=3, defer=True),
+]
+
+
+@pytest.mark.parametrize("fly", RULES, ids=repr)
+@pytest.mark.parametrize("length", range(0, 6))
+def test_every_pattern_matches_the_plain_statement_of_the_rule(fly, length):
+    for kinds in itertools.product(MATCH + CERTAIN + PLAUSIBLE + IMPLAUSIBLE, repeat=length):
+        kinds = "".join(kinds)
+        drafts, logits = block(kinds)
+        verdict = verify_greedy(drafts, logits, fly=fly)
+        cut, loose, need = oracle(kinds, fly)
+        assert list(verdict.loose_positions) == loose, kinds
+        if need:
+            assert verdict.deferral is not None, kinds
+            assert (verdict.deferral.position, verdict.deferral.need) == (cut, need), kinds
+            assert verdict.deferral.correction == TARGET
+            assert verdict.num_accepted == len(kinds) and verdict.is_bonus
+            plain = verdict.without_deferral()
+            assert (plain.num_accepted, plain.next_token, plain.deferral) == (cut, TARGET, None)
+        else:
+            assert verdict.deferral is None, kinds
+            assert verdict.num_accepted == cut, kinds
+        # Invariants: loose positions are mismatches before the cut; FLy keeps at least as
+        # many tokens as exact verification, and the floor never keeps more than no floor.
+        assert all(kinds[i] != MATCH for i in loose)
+        exact = verify_greedy(drafts, logits, fly=None)
+        assert verdict.num_accepted >= exact.num_accepted
+        paper = verify_greedy(drafts, logits, fly=FlyConfig(window=fly.window, theta=fly.theta))
+        if not fly.defer:
+            assert verdict.num_accepted <= paper.num_accepted
+
+
+def test_leading_exact_run_stops_at_the_first_loose_or_deferred_position():
+    fly = FlyConfig(window=1, theta=0.3, defer=True)
+    drafts, logits = block("aapapa")
+    verdict = verify_greedy(drafts, logits, fly=fly)
+    assert verdict.loose_positions == (2, 4) and verdict.num_leading_exact == 2
+    drafts, logits = block("aaap")
+    verdict = verify_greedy(drafts, logits, fly=FlyConfig(window=2, theta=0.3, defer=True))
+    assert verdict.deferral.position == 3 and verdict.num_leading_exact == 3
+
+
+class TestPlausibilityFloor:
+    def test_ratio_to_the_top_token(self):
+        logits = torch.tensor([[0.0, math.log(0.5), math.log(0.2), -9.0]])
+        for token, expected in [(0, True), (1, True), (2, False)]:
+            ok = plausible(logits, torch.tensor([token]), min_ratio=0.4, max_rank=0)
+            assert ok.tolist() == [expected]
+
+    def test_rank_counts_ties_in_the_draft_tokens_favour(self):
+        logits = torch.tensor([[5.0, 4.0, 4.0, 1.0]])
+        ranks = [plausible(logits, torch.tensor([t]), min_ratio=0, max_rank=2) for t in range(4)]
+        assert [bool(r) for r in ranks] == [True, True, True, False]
+
+    def test_off_keeps_everything(self):
+        logits = torch.randn(5, V)
+        assert plausible(logits, torch.arange(5), min_ratio=0, max_rank=0).all()
+
+    def test_temperature_does_not_move_the_floor_at_t_above_zero(self):
+        # The floor reads the raw logits: the same draft token passes at every temperature.
+        drafts, logits = block("pa")
+        fly = FlyConfig(window=1, theta=0.3, min_ratio=0.5)
+        for temperature in (0.5, 1.0, 2.0):
+            target_probs = (logits / temperature).softmax(-1)
+            verdict = verify_sampling(
+                drafts,
+                None,
+                target_probs,
+                fly=fly,
+                target_logits=logits,
+                generator=torch.Generator().manual_seed(0),
+            )
+            # Position 0 is rejected by sampling (or accepted outright); either way it is kept.
+            assert verdict.num_accepted == 2
+
+    def test_the_batched_form_honours_the_floor(self):
+        drafts, logits = block("pa" + "ia")
+        accepted = drafts == logits[:-1].argmax(-1)
+        fly = FlyConfig(window=1, theta=0.3, min_ratio=0.5)
+        cu = torch.tensor([2, 4])
+        allowed = torch.ones_like(accepted)
+        loose = loosely_accepted(accepted, logits[:-1], drafts, allowed, fly=fly, cu_num_drafted=cu)
+        assert loose.tolist() == [True, False, False, False]
+
+
+class TestDeferral:
+    def test_need_is_what_the_block_could_not_hold(self):
+        accepted = torch.tensor([True, False, True])
+        candidates = torch.tensor([False, True, False])
+        assert deferred_need(accepted, candidates, cut=1, window=3) == 2
+        assert deferred_need(accepted, candidates, cut=1, window=1) == 0  # it fits
+        assert deferred_need(accepted, torch.zeros(3, dtype=torch.bool), cut=1, window=3) == 0
+        assert deferred_need(accepted, candidates, cut=3, window=3) == 0  # nothing rejected
+
+    def test_a_mismatch_after_the_cut_prevents_deferral(self):
+        drafts, logits = block("apcp")
+        verdict = verify_greedy(drafts, logits, fly=FlyConfig(window=4, theta=0.3, defer=True))
+        assert verdict.deferral is None and verdict.num_accepted == 1
+
+    def test_a_sampled_deferral_samples_both_the_bonus_and_the_correction(self):
+        drafts, logits = block("aap")
+        fly = FlyConfig(window=2, theta=0.3, defer=True)
+        target_probs = logits.softmax(-1)
+        target_probs[2] = 0.0
+        target_probs[2, TARGET], target_probs[2, 2] = 0.5, 0.5  # the draft token has p = 0
+        verdict = verify_sampling(
+            drafts, None, target_probs, fly=fly, target_logits=logits, generator=None
+        )
+        assert verdict.deferral is None  # never kept: the sampling distribution excludes it
+        target_probs = logits.softmax(-1)
+        verdict = verify_sampling(
+            drafts,
+            None,
+            target_probs,
+            fly=fly,
+            target_logits=logits,
+            generator=torch.Generator().manual_seed(1),
+        )
+        if verdict.deferral is not None:  # position 2 was rejected by sampling
+            assert verdict.deferral.correction != DRAFTED
+            assert verdict.next_token == TARGET
+
+
+def test_loose_token_features_describe_the_targets_view():
+    drafts, logits = block("pi")
+    features = loose_token_features(logits[:2], drafts, entropy="top3")
+    assert features["rank"].tolist() == [2, 4]
+    assert features["ratio"][0] == pytest.approx(0.9, rel=1e-5)
+    assert features["ratio"][1] < 1e-3
+    assert features["target_token"].tolist() == [TARGET, TARGET]
+    assert torch.allclose(features["draft_prob"], features["ratio"] * features["top_prob"])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("min_ratio", -0.1), ("min_ratio", 1.5), ("max_rank", -1), ("max_rank", 1.5), ("defer", 1)],
+)
+def test_bad_values_of_the_new_rules_are_refused(field, value):
+    with pytest.raises(ConfigError, match=field):
+        FlyConfig(**{field: value})
