@@ -302,12 +302,18 @@ def test_completion(client, tiny_engine, mode):
 def test_lossless_settings_give_the_targets_greedy_text(client):
     """Exact SPD, and FLy with theta = inf (sent as the string "inf"), are lossless."""
     texts = []
-    for extra in ({"mode": "target"}, {"mode": "spd", "k": 6}, {"mode": "fly", "theta": "inf"}):
+    lossless = [
+        {"mode": "target"},
+        {"mode": "spd", "k": 6},
+        {"mode": "fly", "theta": "inf"},
+        {"mode": "fly", "theta": "inf", "min_ratio": 0.5, "max_rank": 3, "defer": True},
+    ]
+    for extra in lossless:
         body = client.post(
             "/v1/completions", json={"prompt": [PROMPT], "max_tokens": 16, **extra}
         ).json()
         texts.append(body["choices"][0]["text"])
-    assert texts[0] and texts[1] == texts[0] and texts[2] == texts[0]
+    assert texts[0] and texts[1] == texts[0] and texts[2] == texts[0] and texts[3] == texts[0]
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -455,6 +461,9 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "theta": -0.5}, "theta"),
     ({"prompt": PROMPT, "theta": "high"}, "theta"),
     ({"prompt": PROMPT, "entropy": "full"}, "entropy"),
+    ({"prompt": PROMPT, "min_ratio": 1.5}, "min_ratio"),
+    ({"prompt": PROMPT, "max_rank": -2}, "max_rank"),
+    ({"prompt": PROMPT, "defer": "sometimes"}, "defer"),
     ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
     ({"prompt": PROMPT, "thetta": 0.3}, "thetta"),
     ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flyspec.config import MAX_SEED, ConfigError, DecodeConfig, FlyConfig, SamplingConfig
+from flyspec.config import MAX_SEED, ConfigError, DecodeConfig, SamplingConfig
 from flyspec.errors import FlyspecError
 from flyspec.server import protocol
 from flyspec.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
@@ -67,6 +67,9 @@ _CONFIG_PARAMS = {
     "window": "window",
     "theta": "theta",
     "entropy": "entropy",
+    "min_ratio": "min_ratio",
+    "max_rank": "max_rank",
+    "defer": "defer",
     "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
@@ -432,12 +435,10 @@ def request_config(
 
     try:
         fly = defaults.fly
-        if body.window is not None or body.theta is not None or body.entropy is not None:
-            fly = FlyConfig(
-                window=pick(body.window, fly.window),
-                theta=pick(body.theta, fly.theta),
-                entropy=pick(body.entropy, fly.entropy),
-            )
+        rule_fields = ("window", "theta", "entropy", "min_ratio", "max_rank", "defer")
+        overrides = {name: getattr(body, name) for name in rule_fields}
+        if any(value is not None for value in overrides.values()):
+            fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})
         sampling = defaults.sampling
         sampling = SamplingConfig(
             temperature=pick(body.temperature, sampling.temperature),

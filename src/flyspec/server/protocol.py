@@ -6,8 +6,9 @@ Standard OpenAI fields the server does not implement are accepted only at their 
 (``presence_penalty: 0``, ``logprobs: null`` ...), and refused otherwise.
 
 FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
-``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, plus
-``top_k``. Their ranges are checked by :mod:`flyspec.config`, not here.
+``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, the rules
+beyond the paper ``min_ratio``, ``max_rank`` and ``defer``, plus ``top_k``. Their ranges are
+checked by :mod:`flyspec.config`, not here.
 
 :func:`parse_request` turns a raw body into a request model: it checks the media type, UTF-8,
 JSON syntax and nesting, the number of chat messages and that every string is valid Unicode
@@ -232,6 +233,9 @@ class _Request(BaseModel):
     window: int | None = None
     theta: float | None = None
     entropy: str | None = None
+    min_ratio: float | None = None
+    max_rank: int | None = None
+    defer: bool | None = None
     top_k: int | None = None
 
     @field_validator("stop", mode="before")
