@@ -138,6 +138,19 @@ def test_run_benchmark_all_methods(tiny_engine):
     assert summaries["hf-assisted-k"]["settings"]["assistant_confidence_threshold"] == 0
     # The draft's own generation config is left as it was.
     assert tiny_engine.draft_model.generation_config.num_assistant_tokens is None
+
+
+def test_fly_paper_runs_the_papers_rule_beside_the_rules_beyond_it(tiny_engine):
+    from flyspec.config import FlyConfig
+
+    beyond = FlyConfig(theta=0.0, window=1, min_ratio=0.5, max_rank=2, defer=True)
+    config = DecodeConfig(k=4, max_new_tokens=12, fly=beyond)
+    methods = ["target", "fly", "fly-paper"]
+    report = run_benchmark(tiny_engine, PROMPTS, methods, config, progress=False)
+    settings = {s["method"]: s["settings"] for s in report["methods"]}
+    assert settings["fly"]["min_ratio"] == 0.5 and settings["fly"]["defer"] is True
+    assert settings["fly-paper"]["min_ratio"] == 0.0 and settings["fly-paper"]["defer"] is False
+    assert settings["fly-paper"]["theta"] == 0.0 and settings["fly-paper"]["window"] == 1
     for records in report["samples"].values():
         for record in records:
             assert record["new_tokens"] <= 12

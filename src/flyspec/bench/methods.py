@@ -26,7 +26,11 @@ FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
     "ngram": ("spd", "ngram"),
     "fly": ("fly", "model"),
     "fly-mla": ("fly", "mla"),
+    "fly-paper": ("fly", "model"),
 }
+PAPER_RULE_METHODS = frozenset({"fly-paper"})
+"""FLy with the paper's gate and window only: --min-ratio, --max-rank and --defer do not apply,
+so one run compares the rules beyond the paper with the paper's rule."""
 HF_METHODS = ("hf-assisted-k", "hf-assisted", "hf-pld", "hf-target")
 DEFAULT_METHODS = (
     "target",
@@ -42,7 +46,9 @@ VLLM_METHOD_NAMES = ("vllm-target", "vllm-spd", "vllm-fly")  # flyspec.bench.vll
 DEFAULT_VLLM_METHODS = (*VLLM_METHOD_NAMES, "target", "fly", "fly-mla")
 IN_PROCESS_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)  # run on a loaded flyspec Engine
 ALL_METHODS = (*IN_PROCESS_METHODS, *VLLM_METHOD_NAMES)
-METHODS_NEEDING_DRAFT = frozenset({"spd", "fly", "fly-mla", "hf-assisted-k", "hf-assisted"})
+METHODS_NEEDING_DRAFT = frozenset(
+    {"spd", "fly", "fly-mla", "fly-paper", "hf-assisted-k", "hf-assisted"}
+)
 LOSSLESS_METHODS = frozenset({"target", "spd", "ngram", "hf-target", "vllm-target", "vllm-spd"})
 
 
@@ -97,6 +103,9 @@ class FlyspecMethod:
 
     def __init__(self, name: str, engine, config: DecodeConfig) -> None:
         mode, drafter = FLYSPEC_METHODS[name]
+        if name in PAPER_RULE_METHODS:
+            paper = replace(config.fly, min_ratio=0.0, max_rank=0, defer=False)
+            config = config.with_updates(fly=paper)
         self.name = name
         self.decoder = engine.decoder
         self.config = config.with_updates(mode=mode, drafter=drafter)
