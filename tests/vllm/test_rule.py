@@ -4,6 +4,7 @@ logits, request by request against flyspec's one-block rule. No engine, no model
 import math
 from dataclasses import replace
 
+import pytest
 import torch
 from vllm.v1.sample import rejection_sampler as vllm_rs
 from vllm.v1.sample.logits_processor import LogitsProcessors
@@ -88,21 +89,24 @@ def blocks(num_drafted):
         start += n
 
 
-def test_greedy_batches_equal_verify_greedy_request_by_request():
+@pytest.mark.parametrize(
+    "fly", [FLY, FlyConfig(window=2, theta=0.3, min_ratio=0.3, max_rank=3)], ids=["paper", "floor"]
+)
+def test_greedy_batches_equal_verify_greedy_request_by_request(fly):
     generator = torch.Generator().manual_seed(0)
     loose_seen = rejected_seen = 0
     for _ in range(20):
         num_drafted = torch.randint(0, 9, (6,), generator=generator).tolist()
         drafts, logits, bonus, cu = random_batch(generator, num_drafted)
         sampling = metadata([0] * 6, [None] * 6)
-        output, counter = run_plugin(FLY, drafts, logits, bonus, cu, num_drafted, sampling)
+        output, counter = run_plugin(fly, drafts, logits, bonus, cu, num_drafted, sampling)
         counter.flush()
         loose_total = 0
         for request, block in blocks(num_drafted):
             bonus_row = torch.full((1, V), -30.0)
             bonus_row[0, bonus[request, 0]] = 30.0
             verdict = verify_greedy(
-                drafts[block].long(), torch.cat([logits[block], bonus_row]), fly=FLY
+                drafts[block].long(), torch.cat([logits[block], bonus_row]), fly=fly
             )
             expected = drafts[block][: verdict.num_accepted].tolist() + [verdict.next_token]
             assert emitted(output[request]) == expected
