@@ -140,7 +140,7 @@ def test_run_benchmark_all_methods(tiny_engine):
     assert tiny_engine.draft_model.generation_config.num_assistant_tokens is None
 
 
-def test_fly_paper_runs_the_papers_rule_beside_the_rules_beyond_it(tiny_engine):
+def test_fly_paper_runs_the_papers_default_beside_other_settings(tiny_engine):
     from flyspec.config import FlyConfig
 
     beyond = FlyConfig(theta=0.0, window=1, min_ratio=0.5, max_rank=2, defer=True)
@@ -149,8 +149,9 @@ def test_fly_paper_runs_the_papers_rule_beside_the_rules_beyond_it(tiny_engine):
     report = run_benchmark(tiny_engine, PROMPTS, methods, config, progress=False)
     settings = {s["method"]: s["settings"] for s in report["methods"]}
     assert settings["fly"]["min_ratio"] == 0.5 and settings["fly"]["defer"] is True
-    assert settings["fly-paper"]["min_ratio"] == 0.0 and settings["fly-paper"]["defer"] is False
-    assert settings["fly-paper"]["theta"] == 0.0 and settings["fly-paper"]["window"] == 1
+    assert settings["fly"]["theta"] == 0.0 and settings["fly"]["window"] == 1
+    paper = {key: settings["fly-paper"][key] for key in ("theta", "window", "min_ratio", "defer")}
+    assert paper == {"theta": 0.3, "window": 6, "min_ratio": 0.0, "defer": False}
     for records in report["samples"].values():
         for record in records:
             assert record["new_tokens"] <= 12

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.errors import FlyspecError
 from flyspec.stats import RequestStats
 
@@ -29,8 +29,9 @@ FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
     "fly-paper": ("fly", "model"),
 }
 PAPER_RULE_METHODS = frozenset({"fly-paper"})
-"""FLy with the paper's gate and window only: --min-ratio, --max-rank and --defer do not apply,
-so one run compares the rules beyond the paper with the paper's rule."""
+"""FLy at the paper's default rule (theta 0.3, W 6, top-3 entropy, no rule beyond the paper),
+whatever the FLy flags say: the reference that settings of ``fly`` are compared with in one
+run."""
 HF_METHODS = ("hf-assisted-k", "hf-assisted", "hf-pld", "hf-target")
 DEFAULT_METHODS = (
     "target",
@@ -104,8 +105,7 @@ class FlyspecMethod:
     def __init__(self, name: str, engine, config: DecodeConfig) -> None:
         mode, drafter = FLYSPEC_METHODS[name]
         if name in PAPER_RULE_METHODS:
-            paper = replace(config.fly, min_ratio=0.0, max_rank=0, defer=False)
-            config = config.with_updates(fly=paper)
+            config = config.with_updates(fly=FlyConfig())
         self.name = name
         self.decoder = engine.decoder
         self.config = config.with_updates(mode=mode, drafter=drafter)
