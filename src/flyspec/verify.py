@@ -1,6 +1,6 @@
 """Verification of one draft block: pure tensor functions, no models, no caches.
 
-Notation (DESIGN.md section 2), 0-based: ``K`` draft tokens ``draft_tokens[0..K-1]``; target
+Notation (docs/design.md), 0-based: ``K`` draft tokens ``draft_tokens[0..K-1]``; target
 logits ``target_logits[0..K]`` from one forward over ``[last_committed, draft_tokens...]``, so
 row ``i`` scores position ``i`` and row ``K`` gives the bonus token. ``V`` is the vocabulary size.
 

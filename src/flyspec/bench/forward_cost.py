@@ -1,10 +1,10 @@
 """How much a forward over n new tokens costs relative to one token, on top of a KV cache.
 
 Speculative decoding pays off on a CPU only when the target's forward over the last committed
-token plus a K-token draft block costs little more than a one-token forward (DESIGN.md
-section 6). :func:`measure_forward_cost` times exactly that forward, for n = 1 .. K+1, the way
-the decoder runs it (its forward path, logits for the n positions), on a cache of
-``context_tokens`` positions that is cropped back after every timed call.
+token plus a K-token draft block costs little more than a one-token forward.
+:func:`measure_forward_cost` times exactly that forward, for n = 1 .. K+1, the way the decoder
+runs it (its forward path, logits for the n positions), on a cache of ``context_tokens``
+positions that is cropped back after every timed call.
 """
 
 from __future__ import annotations

