@@ -110,8 +110,30 @@ class _Held:
         return TokenEvent(token=token, origin=origin, round_index=self.round_index)
 
 
-def _held_length(held: _Held | None) -> int:
-    return 0 if held is None else len(held.tokens)
+@dataclass
+class _Progress:
+    """A request's state between rounds: the context (prompt, emitted and held tokens), how
+    many tokens were emitted, the tokens held for a deferred window, the round's index."""
+
+    context: list[int]
+    produced: int = 0
+    held: _Held | None = None
+    round_index: int = 0
+
+    @property
+    def held_length(self) -> int:
+        return 0 if self.held is None else len(self.held.tokens)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One round's draft, its verdict and the target's ``[K+1, V]`` logits, with timings."""
+
+    draft: Draft
+    verdict: Verdict
+    target_logits: torch.Tensor
+    draft_seconds: float
+    verify_seconds: float
 
 
 def _deliver(
@@ -206,122 +228,140 @@ class SpeculativeDecoder:
         self.target.reset()
         if drafter is not None:
             drafter.reset()
-        context = list(prompt_ids)
+        progress = _Progress(context=list(prompt_ids))
         # Prefill everything but the last prompt token: each round feeds the last committed
         # token together with the draft block.
-        if len(context) > 1:
-            self.target.logits(context[:-1])
+        if len(prompt_ids) > 1:
+            self.target.logits(progress.context[:-1])
             if config.uses_draft_model:
-                self.draft.logits(context[:-1])
+                self.draft.logits(progress.context[:-1])
         stats.prefill_seconds = clock.elapsed()
 
-        produced = 0  # tokens emitted so far
-        held: _Held | None = None  # tokens in the context awaiting a deferred window
-        round_index = 0
         try:
-            while produced + _held_length(held) < config.max_new_tokens:
-                remaining = config.max_new_tokens - produced - _held_length(held)
+            while progress.produced + progress.held_length < config.max_new_tokens:
+                remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
-                round_start = time.perf_counter()
-                draft = drafter.propose(context, k) if k > 0 else Draft.empty()
-                draft_done = time.perf_counter()
-                verdict, target_logits = self._verify(context, draft, config, target_generator)
-                verify_done = time.perf_counter()
-                timing = {
-                    "draft_seconds": draft_done - round_start,
-                    "verify_seconds": verify_done - draft_done,
-                }
-                events: list[tuple[TokenEvent, int]] = []  # (event, index of its round stats)
-
-                if held is not None:
-                    # This block decides the window deferred from the block before.
-                    confirmed = verdict.num_leading_exact >= held.need
-                    events = held.resolve(confirmed, stats, eos_token_ids=self.eos_token_ids)
-                    produced += len(events)
-                    if not confirmed:
-                        del context[len(context) - len(held.tokens) :]
-                        context.extend(event.token for event, _ in events)
-                        stats.add_round(
-                            RoundStats(
-                                drafted=len(draft),
-                                accepted=0,
-                                loosely_accepted=0,
-                                emitted=0,
-                                deferral="wasted",
-                                **timing,
-                            )
-                        )
-                        finished = held.correction in self.eos_token_ids
-                        held = None
-                        yield from _deliver(events, stats, clock)
-                        if finished:
-                            stats.finish_reason = "stop"
-                            return
-                        round_index += 1
-                        continue
-                    held = None
-
-                deferral = verdict.deferral
-                if deferral is not None and not self._can_defer(
-                    verdict, draft, config, produced, drafter
-                ):
-                    verdict = verdict.without_deferral()
-                    deferral = None
-                records = self._loose_records(verdict, draft, target_logits, config, produced)
-                tokens = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
-                origins = [
-                    "loose" if i in verdict.loose_positions else "exact"
-                    for i in range(verdict.num_accepted)
-                ] + ["bonus" if verdict.is_bonus else "correction"]
-                if deferral is not None:
-                    origins[deferral.position] = "loose"
-                cut = len(tokens) if deferral is None else deferral.position
-                emitted = 0
-                finished = False
-                for token in tokens[:cut]:
-                    if token in self.eos_token_ids:
-                        finished = True
-                        break
-                    context.append(token)
-                    emitted += 1
-                num_loose = verdict.num_loose
-                round_stats = RoundStats(
-                    drafted=len(draft),
-                    accepted=min(verdict.num_accepted, cut) - num_loose,
-                    loosely_accepted=num_loose,
-                    emitted=emitted,
-                    ended_by_eos=finished,
-                    deferral=None if deferral is None else "pending",
-                    loose_tokens=tuple(records[i] for i in verdict.loose_positions),
-                    **timing,
-                )
-                stats.add_round(round_stats)
-                slot = len(stats.rounds) - 1
-                if deferral is not None:
-                    held = _Held(
-                        tokens=tokens[cut:],
-                        origins=origins[cut:],
-                        need=deferral.need,
-                        correction=deferral.correction,
-                        round_index=round_index,
-                        round_slot=slot,
-                        loose_token=records[deferral.position],
-                    )
-                    context.extend(held.tokens)
-                events += [
-                    (TokenEvent(token=token, origin=origin, round_index=round_index), slot)
-                    for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
-                ]
-                produced += emitted
+                step = self._round(progress.context, drafter, k, config, target_generator)
+                events, finished = self._commit(step, progress, config, drafter, stats)
                 yield from _deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
                     return
-                round_index += 1
+                progress.round_index += 1
             stats.finish_reason = "length"
         finally:
             clock.resume()
             stats.seconds = clock.elapsed()
+
+    def _round(
+        self,
+        context: list[int],
+        drafter: Drafter | None,
+        k: int,
+        config: DecodeConfig,
+        generator: torch.Generator | None,
+    ) -> _Round:
+        """Draft up to ``k`` tokens after ``context`` and verify them in one target forward."""
+        round_start = time.perf_counter()
+        draft = drafter.propose(context, k) if k > 0 else Draft.empty()
+        draft_done = time.perf_counter()
+        verdict, target_logits = self._verify(context, draft, config, generator)
+        return _Round(
+            draft=draft,
+            verdict=verdict,
+            target_logits=target_logits,
+            draft_seconds=draft_done - round_start,
+            verify_seconds=time.perf_counter() - draft_done,
+        )
+
+    def _commit(
+        self,
+        step: _Round,
+        progress: _Progress,
+        config: DecodeConfig,
+        drafter: Drafter | None,
+        stats: RequestStats,
+    ) -> tuple[list[tuple[TokenEvent, int]], bool]:
+        """Commit a verified round to the context and the statistics: the events to deliver
+        (each with the index of the round statistics it counts in) and whether the request
+        ended. A round after a deferral first settles it: confirmed, the held tokens come
+        first; rolled back, the round is wasted and only the correction is committed."""
+        draft, verdict = step.draft, step.verdict
+        timing = {"draft_seconds": step.draft_seconds, "verify_seconds": step.verify_seconds}
+        events: list[tuple[TokenEvent, int]] = []
+        held = progress.held
+        if held is not None:
+            progress.held = None
+            confirmed = verdict.num_leading_exact >= held.need
+            events = held.resolve(confirmed, stats, eos_token_ids=self.eos_token_ids)
+            progress.produced += len(events)
+            if not confirmed:
+                del progress.context[len(progress.context) - len(held.tokens) :]
+                progress.context.extend(event.token for event, _ in events)
+                wasted = RoundStats(
+                    drafted=len(draft),
+                    accepted=0,
+                    loosely_accepted=0,
+                    emitted=0,
+                    deferral="wasted",
+                    **timing,
+                )
+                stats.add_round(wasted)
+                return events, held.correction in self.eos_token_ids
+
+        deferral = verdict.deferral
+        if deferral is not None and not self._can_defer(
+            verdict, draft, config, progress.produced, drafter
+        ):
+            verdict = verdict.without_deferral()
+            deferral = None
+        records = self._loose_records(verdict, draft, step.target_logits, config, progress.produced)
+        tokens = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+        origins: list[Origin] = [
+            "loose" if i in verdict.loose_positions else "exact"
+            for i in range(verdict.num_accepted)
+        ] + ["bonus" if verdict.is_bonus else "correction"]
+        if deferral is not None:
+            origins[deferral.position] = "loose"
+        cut = len(tokens) if deferral is None else deferral.position
+        emitted = 0
+        finished = False
+        for token in tokens[:cut]:
+            if token in self.eos_token_ids:
+                finished = True
+                break
+            progress.context.append(token)
+            emitted += 1
+        stats.add_round(
+            RoundStats(
+                drafted=len(draft),
+                accepted=min(verdict.num_accepted, cut) - verdict.num_loose,
+                loosely_accepted=verdict.num_loose,
+                emitted=emitted,
+                ended_by_eos=finished,
+                deferral=None if deferral is None else "pending",
+                loose_tokens=tuple(records[i] for i in verdict.loose_positions),
+                **timing,
+            )
+        )
+        slot = len(stats.rounds) - 1
+        if deferral is not None and not finished:
+            progress.held = _Held(
+                tokens=tokens[cut:],
+                origins=origins[cut:],
+                need=deferral.need,
+                correction=deferral.correction,
+                round_index=progress.round_index,
+                round_slot=slot,
+                loose_token=records[deferral.position],
+            )
+            progress.context.extend(progress.held.tokens)
+        events += [
+            (TokenEvent(token=token, origin=origin, round_index=progress.round_index), slot)
+            for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
+        ]
+        progress.produced += emitted
+        return events, finished
 
     def _can_defer(
         self,
