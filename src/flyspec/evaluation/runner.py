@@ -55,26 +55,27 @@ class Method:
         }
 
 
-def fly_label(fly: FlyConfig) -> str:
-    """``FLy θ=0.3 W=6``, with the rules beyond the paper that are on."""
-    parts = [f"FLy θ={fly.theta:g} W={fly.window}"]
+def _rule_parts(fly: FlyConfig) -> list[tuple[str, str]]:
+    """(name part, label part) of each setting that tells FLy methods apart: theta, W, and
+    the rules beyond the paper that are on."""
+    parts = [(f"theta{fly.theta:g}", f"θ={fly.theta:g}"), (f"w{fly.window}", f"W={fly.window}")]
     if fly.min_ratio > 0:
-        parts.append(f"ratio≥{fly.min_ratio:g}")
+        parts.append((f"ratio{fly.min_ratio:g}", f"ratio≥{fly.min_ratio:g}"))
     if fly.max_rank > 0:
-        parts.append(f"top-{fly.max_rank}")
+        parts.append((f"rank{fly.max_rank}", f"top-{fly.max_rank}"))
     if fly.defer:
-        parts.append("deferred")
-    return " ".join(parts)
+        parts.append(("defer", "deferred"))
+    return parts
+
+
+def fly_label(fly: FlyConfig) -> str:
+    """``FLy θ=0.3 W=6``, with ``ratio≥r``, ``top-n``, ``deferred`` for the rules on."""
+    return "FLy " + " ".join(label for _, label in _rule_parts(fly))
 
 
 def fly_name(fly: FlyConfig) -> str:
     """``fly-theta0.3-w6``, with ``-ratio<r>``, ``-rank<n>``, ``-defer`` for the rules on."""
-    name = f"fly-theta{fly.theta:g}-w{fly.window}"
-    if fly.min_ratio > 0:
-        name += f"-ratio{fly.min_ratio:g}"
-    if fly.max_rank > 0:
-        name += f"-rank{fly.max_rank}"
-    return name + ("-defer" if fly.defer else "")
+    return "fly-" + "-".join(name for name, _ in _rule_parts(fly))
 
 
 def build_methods(
