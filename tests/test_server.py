@@ -138,6 +138,8 @@ def assert_speculative(body: dict, mode: str) -> None:
         "rejected",
         "seconds",
         "tokens_per_second",
+        "deferrals_confirmed",
+        "deferrals_rolled_back",
     }
     assert spec["mode"] == mode
     assert spec["accepted"] + spec["loosely_accepted"] + spec["rejected"] == spec["drafted"]

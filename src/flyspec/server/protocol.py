@@ -401,6 +401,8 @@ def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> d
         "rejected",
         "seconds",
         "tokens_per_second",
+        "deferrals_confirmed",
+        "deferrals_rolled_back",
     ):
         result[name] = figures[name]
     result["timed_out"] = timed_out
