@@ -318,11 +318,16 @@ def _verdict(
     *,
     accepted: torch.Tensor,
     candidates: torch.Tensor,
-    loose: torch.Tensor,
     next_token_at: Callable[[int], int],
     fly: FlyConfig | None,
 ) -> Verdict:
+    """The verdict on a block from its accepted positions and its loosening candidates
+    (:func:`loosening_candidates`; all False without FLy): the candidates whose window holds
+    are kept loosely, and a candidate at the cut may be deferred."""
     num_drafted = accepted.shape[0]
+    loose = candidates
+    if fly is not None:
+        loose = candidates & window_holds(accepted, window=fly.window)
     num_accepted = first_unkept(accepted | loose)
     loose_positions = tuple(int(i) for i in loose[:num_accepted].nonzero().flatten())
     need = 0
@@ -363,16 +368,14 @@ def verify_greedy(
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     num_drafted = draft_tokens.shape[0]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
-    candidates = loose = torch.zeros_like(accepted)
+    candidates = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
         candidates = loosening_candidates(accepted, block_logits, draft_tokens, possible, fly=fly)
-        loose = candidates & window_holds(accepted, window=fly.window)
     return _verdict(
         accepted=accepted,
         candidates=candidates,
-        loose=loose,
         next_token_at=lambda n: target_tokens[n],
         fly=fly,
     )
@@ -431,14 +434,13 @@ def verify_sampling(
     uniforms = torch.rand(num_drafted, generator=generator, device=target_probs.device)
     accepted = speculative_acceptance(target_at_draft, draft_at_draft, uniforms)  # [K]
 
-    candidates = loose = torch.zeros_like(accepted)
+    candidates = torch.zeros_like(accepted)
     if fly is not None and num_drafted and not bool(accepted.all()):
         if target_logits is None:
             raise ValueError("target_logits are needed for the FLy entropy gate")
         candidates = loosening_candidates(
             accepted, target_logits[:num_drafted], draft_tokens, target_at_draft > 0, fly=fly
         )
-        loose = candidates & window_holds(accepted, window=fly.window)
 
     def next_token_at(cut: int) -> int:
         if cut == num_drafted:
@@ -450,13 +452,7 @@ def verify_sampling(
             generator=generator,
         )
 
-    return _verdict(
-        accepted=accepted,
-        candidates=candidates,
-        loose=loose,
-        next_token_at=next_token_at,
-        fly=fly,
-    )
+    return _verdict(accepted=accepted, candidates=candidates, next_token_at=next_token_at, fly=fly)
 
 
 def sample_correction(
