@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from flyspec.config import FlyConfig
+
 
 def settings_of(paths: list[Path], task: str) -> dict[str, dict]:
     """label -> the method summary of every FLy setting for ``task`` in these runs."""
@@ -31,7 +33,14 @@ def settings_of(paths: list[Path], task: str) -> dict[str, dict]:
 
 
 def beyond_paper(summary: dict) -> bool:
-    return bool(summary.get("min_ratio") or summary.get("max_rank") or summary.get("defer"))
+    """Whether a method summary's FLy setting uses a rule beyond the paper (summaries of runs
+    made before those rules existed lack their fields: off)."""
+    rules = {
+        name: summary[name]
+        for name in ("min_ratio", "max_rank", "defer")
+        if summary.get(name) is not None
+    }
+    return FlyConfig(**rules).beyond_paper
 
 
 def main(argv: list[str] | None = None) -> int:
