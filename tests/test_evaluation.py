@@ -581,3 +581,14 @@ def test_loosening_analysis_joins_loose_tokens_with_outcomes(tmp_path):
     assert "| ratio >= 0.05 | 100% | 0% | 0% | 1/1 |" in markdown
     assert loosening.plot(tmp_path / "loose.png", analysis)
     assert loosening.analyse(samples[:1], methods, ["gsm8k"]) == {}
+
+
+def test_cache_keys_of_the_papers_rule_do_not_name_the_rules_beyond_it():
+    from flyspec.config import DecodeConfig
+    from flyspec.evaluation.cache import decoding_identity
+
+    paper = decoding_identity(DecodeConfig(mode="fly"))["fly"]
+    assert sorted(paper) == ["entropy", "theta", "window"]
+    beyond = decoding_identity(DecodeConfig(mode="fly", fly=FlyConfig(min_ratio=0.1, defer=True)))
+    assert beyond["fly"]["min_ratio"] == 0.1 and beyond["fly"]["defer"] is True
+    assert "max_rank" not in beyond["fly"]

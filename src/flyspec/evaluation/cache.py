@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, FlyConfig
 
 CACHE_FORMAT = 1
 _HASHED_FILES = (
@@ -81,8 +81,9 @@ def decoding_identity(config: DecodeConfig) -> dict:
         if config.loosening is None:
             settings.pop("fly")
         else:  # keys made before the rules beyond the paper existed stay valid
-            for name, off in (("min_ratio", 0.0), ("max_rank", 0), ("defer", False)):
-                if settings["fly"][name] == off:
+            paper = FlyConfig()
+            for name in ("min_ratio", "max_rank", "defer"):
+                if settings["fly"][name] == getattr(paper, name):
                     settings["fly"].pop(name)
         # 2: a draft block ends at its first end-of-sequence token, which changes where
         # FLy's window fits near the end of an answer (generations made before miss once).
