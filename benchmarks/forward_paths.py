@@ -29,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--context and every --new-tokens value must be >= 1")
 
     configure_cpu_math()
-    from flyspec import cli
     from flyspec.bench.forward_cost import time_forwards
+    from flyspec.cli import build_parser
+    from flyspec.cli.options import load_engine
 
-    engine = cli.load_engine(cli.build_parser().parse_args(["generate", "x"]), with_draft=True)
+    engine = load_engine(build_parser().parse_args(["generate", "x"]), with_draft=True)
     print("| model | n | lean ms | transformers ms | lean / transformers |")
     print("|---|---:|---:|---:|---:|")
     models = (

@@ -122,7 +122,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 def is_loopback(url: str) -> bool:
     """Whether the URL's host is this machine (``flyspec serve``'s own rule)."""
-    from flyspec.server.cli import is_loopback as is_loopback_host
+    from flyspec.server.access import is_loopback as is_loopback_host
 
     return is_loopback_host(urlsplit(url).hostname or "")
 

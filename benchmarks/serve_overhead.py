@@ -25,8 +25,8 @@ import subprocess
 import sys
 import time
 
-from flyspec import cli
 from flyspec import config as cfg
+from flyspec.cli import options as cli
 from flyspec.runtime import configure_cpu_math
 
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "linear", "draft_quant", "target_quant")

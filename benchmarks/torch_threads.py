@@ -19,8 +19,8 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from flyspec import cli
 from flyspec import config as cfg
+from flyspec.cli import options as cli
 from flyspec.runtime import configure_cpu_math
 
 PROMPT = "def fibonacci(n):\n    "

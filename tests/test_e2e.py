@@ -35,3 +35,19 @@ def test_fly_keeps_mismatches_loosely_and_raises_tau(results):
     assert fly.loosely_accepted > 0
     assert fly.tau > spd.tau
     assert "def " in results["fly"].text  # still an answer to the question
+
+
+def test_the_library_gives_the_commands_tokens(results, capsys):
+    """``Engine.load()`` runs the CLI's kernels (int8 draft, packed Linear layers, lean
+    forward): FLy, whose output depends on the draft's numbers, emits the same tokens both ways."""
+    import gc
+    import json
+
+    from flyspec.cli import main
+
+    assert results["fly"].stats.loosely_accepted > 0  # the draft's numbers mattered
+    command = ["generate", "--json", "--chat", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS)]
+    assert main(command) == 0
+    gc.collect()  # the command's own copy of the pair
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["token_ids"] == results["fly"].token_ids

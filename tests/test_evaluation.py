@@ -361,8 +361,8 @@ def one_thread():
 def test_eval_end_to_end_on_tiny_models_with_cache(
     tiny_pair, tmp_path, monkeypatch, capsys, one_thread
 ):
+    from flyspec.cli.evaluate import run_eval
     from flyspec.engine import Engine
-    from flyspec.evaluation import run_eval
 
     calls = {"n": 0}
     original = Engine.stream
@@ -454,8 +454,8 @@ def test_cache_entries_are_atomic_json(tmp_path):
 
 
 def test_eval_rejects_bad_options(tiny_pair, tmp_path):
+    from flyspec.cli.evaluate import run_eval
     from flyspec.errors import FlyspecError
-    from flyspec.evaluation import run_eval
 
     for extra in (
         ["--task", "mmlu"],
@@ -490,8 +490,8 @@ def test_cached_generation_reuse_across_token_budgets():
 
 
 def test_limit_option_per_task():
+    from flyspec.cli.evaluate import _limits
     from flyspec.errors import FlyspecError
-    from flyspec.evaluation import _limits
 
     assert _limits(None) == {}
     assert _limits("5") == {"*": (0, 5)}

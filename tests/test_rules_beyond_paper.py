@@ -98,20 +98,20 @@ def test_every_pattern_matches_the_plain_statement_of_the_rule(fly, length):
             assert verdict.deferral is not None, kinds
             assert (verdict.deferral.position, verdict.deferral.need) == (cut, need), kinds
             assert verdict.deferral.correction == TARGET
-            assert verdict.num_accepted == len(kinds) and verdict.is_bonus
+            assert verdict.num_kept == len(kinds) and verdict.is_bonus
             plain = verdict.without_deferral()
-            assert (plain.num_accepted, plain.next_token, plain.deferral) == (cut, TARGET, None)
+            assert (plain.num_kept, plain.next_token, plain.deferral) == (cut, TARGET, None)
         else:
             assert verdict.deferral is None, kinds
-            assert verdict.num_accepted == cut, kinds
+            assert verdict.num_kept == cut, kinds
         # Invariants: loose positions are mismatches before the cut; FLy keeps at least as
         # many tokens as exact verification, and the floor never keeps more than no floor.
         assert all(kinds[i] != MATCH for i in loose)
         exact = verify_greedy(drafts, logits, fly=None)
-        assert verdict.num_accepted >= exact.num_accepted
+        assert verdict.num_kept >= exact.num_kept
         paper = verify_greedy(drafts, logits, fly=FlyConfig(window=fly.window, theta=fly.theta))
         if not fly.defer:
-            assert verdict.num_accepted <= paper.num_accepted
+            assert verdict.num_kept <= paper.num_kept
 
 
 def test_leading_exact_run_stops_at_the_first_loose_or_deferred_position():
@@ -147,7 +147,7 @@ class TestPlausibilityFloor:
         for temperature in (0.5, 1.0, 2.0):
             verdict = sampled_verdict(drafts, logits, fly, temperature=temperature)
             # Position 0 is rejected by sampling (or accepted outright); either way it is kept.
-            assert verdict.num_accepted == 2
+            assert verdict.num_kept == 2
 
     def test_the_batched_form_honours_the_floor(self):
         drafts, logits = block("pa" + "ia")
@@ -171,7 +171,7 @@ class TestDeferral:
     def test_a_mismatch_after_the_cut_prevents_deferral(self):
         drafts, logits = block("apcp")
         verdict = verify_greedy(drafts, logits, fly=FlyConfig(window=4, theta=0.3, defer=True))
-        assert verdict.deferral is None and verdict.num_accepted == 1
+        assert verdict.deferral is None and verdict.num_kept == 1
 
     def test_a_sampled_deferral_samples_both_the_bonus_and_the_correction(self):
         drafts, logits = block("aap")
@@ -190,7 +190,7 @@ class TestDeferral:
             assert verdict.deferral.position == 2 and verdict.deferral.need == 2
             assert verdict.deferral.correction != DRAFTED  # sampled from the residual
             assert verdict.next_token == TARGET  # the bonus row is certain
-        assert all(v.num_accepted == 3 and v.is_bonus for v in verdicts)
+        assert all(v.num_kept == 3 and v.is_bonus for v in verdicts)
 
 
 def test_loose_token_features_describe_the_targets_view():

@@ -713,9 +713,10 @@ def test_metrics_are_prometheus_text(client):
 
 
 def test_serve_command_line():
-    from flyspec.cli import build_parser, decode_config_from_args
-    from flyspec.server import run_serve
-    from flyspec.server.cli import default_model_name
+    from flyspec.cli import build_parser
+    from flyspec.cli.options import decode_config_from_args
+    from flyspec.cli.serve import run_serve
+    from flyspec.server.access import default_model_name
 
     args = build_parser().parse_args(
         ["serve", "--port", "0", "--mode", "spd", "-k", "7", "--queue-size", "3"]

@@ -20,21 +20,19 @@ import httpx
 import openai
 import pytest
 
+from flyspec.cli.serve import byte_size, refuse_flyspec_server_options, server_options
 from flyspec.config import DecodeConfig
 from flyspec.engine import Engine
 from flyspec.errors import FlyspecError
 from flyspec.models import load_tokenizer
-from flyspec.server.app import create_app
-from flyspec.server.cli import (
+from flyspec.server.access import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MESSAGES,
-    byte_size,
     exposure_warning,
     is_loopback,
-    refuse_flyspec_server_options,
     resolve_api_key,
-    server_options,
 )
+from flyspec.server.app import create_app
 from tests.test_server import MESSAGES, MODEL, POLL_LIMIT, PROMPT, assert_error, running
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 

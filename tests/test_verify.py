@@ -128,8 +128,8 @@ class TestBatchedRule:
                 verdict = verify_greedy(
                     drafts[block], torch.cat([logits[block], logits_for([0])]), fly=fly
                 )
-                assert int(kept[request]) == verdict.num_accepted
-                assert batched[block][: verdict.num_accepted].nonzero().flatten().tolist() == list(
+                assert int(kept[request]) == verdict.num_kept
+                assert batched[block][: verdict.num_kept].nonzero().flatten().tolist() == list(
                     verdict.loose_positions
                 )
                 start += n
@@ -151,60 +151,60 @@ class TestBatchedRule:
 class TestVerifyGreedy:
     def test_empty_draft_gives_the_bonus(self):
         verdict = verify_greedy(draft([]), logits_for([5]), fly=FLY)
-        assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 5, True)
+        assert (verdict.num_kept, verdict.next_token, verdict.is_bonus) == (0, 5, True)
 
     def test_all_accepted_plus_bonus(self):
         verdict = verify_greedy(draft([1, 2, 3]), logits_for([1, 2, 3, 4]), fly=None)
-        assert verdict.num_accepted == 3
+        assert verdict.num_kept == 3
         assert verdict.is_bonus and verdict.next_token == 4
         assert verdict.num_emitted == 4
 
     def test_first_position_rejected_gives_the_correction(self):
         verdict = verify_greedy(draft([7, 2, 3]), logits_for([1, 2, 3, 4]), fly=None)
-        assert (verdict.num_accepted, verdict.next_token, verdict.is_bonus) == (0, 1, False)
+        assert (verdict.num_kept, verdict.next_token, verdict.is_bonus) == (0, 1, False)
 
     def test_exact_spd_ignores_uncertainty(self):
         target = logits_for([1, 2, 3, 4, 5], [UNSURE] * 5)
         verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=None)
-        assert verdict.num_accepted == 0 and verdict.next_token == 1
+        assert verdict.num_kept == 0 and verdict.next_token == 1
 
     def test_fly_keeps_an_uncertain_mismatch_followed_by_agreement(self):
         # Target prefers 1 at position 0 but is split between 1 and 2; the draft says 2.
         target = logits_for([1, 2, 3, 4, 5], [UNSURE, SURE, SURE, SURE, SURE])
         verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=FLY)
-        assert verdict.num_accepted == 4
+        assert verdict.num_kept == 4
         assert verdict.loose_positions == (0,)
         assert verdict.is_bonus and verdict.next_token == 5
 
     def test_fly_rejects_a_certain_mismatch(self):
         target = logits_for([1, 2, 3, 4, 5])
         verdict = verify_greedy(draft([2, 2, 3, 4]), target, fly=FLY)
-        assert verdict.num_accepted == 0 and verdict.next_token == 1
+        assert verdict.num_kept == 0 and verdict.next_token == 1
 
     def test_fly_rejects_a_mismatch_near_the_block_end(self):
         target = logits_for([1, 2, 3, 4, 5], [SURE, SURE, UNSURE, SURE, SURE])
         verdict = verify_greedy(draft([1, 2, 4, 4]), target, fly=FLY)
-        assert verdict.num_accepted == 2 and verdict.next_token == 3
+        assert verdict.num_kept == 2 and verdict.next_token == 3
         assert verdict.loose_positions == ()
 
     def test_fly_rejects_two_mismatches_in_one_window(self):
         target = logits_for([1, 2, 3, 4, 5, 6], [UNSURE, SURE, UNSURE, SURE, SURE, SURE])
         verdict = verify_greedy(draft([2, 2, 4, 4, 5]), target, fly=FLY)
         # Position 0 has a second mismatch (2) inside its window: cut at 0.
-        assert verdict.num_accepted == 0 and verdict.next_token == 1
+        assert verdict.num_kept == 0 and verdict.next_token == 1
 
     def test_fly_with_infinite_theta_is_exact(self):
         target = logits_for([1, 2, 3, 4, 5], [UNSURE] * 5)
         verdict = verify_greedy(
             draft([2, 2, 3, 4]), target, fly=FlyConfig(window=2, theta=math.inf)
         )
-        assert verdict.num_accepted == 0
+        assert verdict.num_kept == 0
 
     def test_fly_never_keeps_a_token_with_minus_infinity_logit(self):
         target = logits_for([1, 2, 3, 4, 5], [UNSURE] + [SURE] * 4)
         target[0, 6] = -math.inf
         verdict = verify_greedy(draft([6, 2, 3, 4]), target, fly=FLY)
-        assert verdict.num_accepted == 0
+        assert verdict.num_kept == 0
 
 
 class TestSamplingProbs:
@@ -246,7 +246,7 @@ def first_token_histogram(target_probs, draft_probs, *, trials, seed, fly=None, 
             target_logits=logits,
             generator=generator,
         )
-        counts[token if verdict.num_accepted == 1 else verdict.next_token] += 1
+        counts[token if verdict.num_kept == 1 else verdict.next_token] += 1
     return counts / trials
 
 

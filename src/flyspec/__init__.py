@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DecodeConfig": "flyspec.config",
     "FlyConfig": "flyspec.config",
+    "KernelConfig": "flyspec.config",
     "SamplingConfig": "flyspec.config",
     "FlyspecError": "flyspec.errors",
     "Engine": "flyspec.engine",

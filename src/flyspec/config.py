@@ -54,12 +54,16 @@ FORWARD_PATHS: tuple[str, ...] = ("lean", "transformers")
 
 
 class ConfigError(FlyspecError, ValueError):
-    """A configuration value is out of range or unknown."""
+    """A configuration value is out of range or unknown; ``field`` names the setting."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: bool, message: str, *, field: str) -> None:
     if not condition:
-        raise ConfigError(message)
+        raise ConfigError(message, field=field)
 
 
 @dataclass(frozen=True)
@@ -79,33 +83,81 @@ class FlyConfig:
         _check(
             isinstance(self.window, int) and self.window >= 0,
             f"window must be an integer >= 0, got {self.window!r}",
+            field="window",
         )
         _check(
             isinstance(self.theta, (int, float)) and not math.isnan(self.theta) and self.theta >= 0,
             f"theta must be a number >= 0 (inf switches loosening off), got {self.theta!r}",
+            field="theta",
         )
         _check(
             self.entropy in ENTROPY_KINDS,
             f"entropy must be one of {', '.join(ENTROPY_KINDS)}, got {self.entropy!r}",
+            field="entropy",
         )
         _check(
             isinstance(self.min_ratio, (int, float))
             and not isinstance(self.min_ratio, bool)
             and 0 <= self.min_ratio <= 1,
             f"min_ratio must be a number in [0, 1] (0 = off), got {self.min_ratio!r}",
+            field="min_ratio",
         )
         _check(
             isinstance(self.max_rank, int)
             and not isinstance(self.max_rank, bool)
             and self.max_rank >= 0,
             f"max_rank must be an integer >= 0 (0 = off), got {self.max_rank!r}",
+            field="max_rank",
         )
-        _check(isinstance(self.defer, bool), f"defer must be true or false, got {self.defer!r}")
+        _check(
+            isinstance(self.defer, bool),
+            f"defer must be true or false, got {self.defer!r}",
+            field="defer",
+        )
 
     @property
     def beyond_paper(self) -> bool:
         """Whether any rule beyond the paper's gate and window is on."""
         return self.min_ratio > 0 or self.max_rank > 0 or self.defer
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run the models once loaded (:mod:`flyspec.kernels`); the defaults are
+    those of every command and every published figure.
+
+    ``linear``: float32 Linear layers on oneDNN with pre-packed weights, or torch's default.
+    ``draft_quant`` / ``target_quant``: int8 (dynamic) or fp16 weights for that model's Linear
+    layers; a quantised draft never changes what exact SPD emits, a quantised target does.
+    ``forward``: flyspec's lean forward with a preallocated KV cache (Llama-family models;
+    others fall back), or transformers' ``model(...)``. Only ``forward`` applies off the CPU.
+    """
+
+    linear: str = "onednn"
+    draft_quant: str = "int8"
+    target_quant: str = "none"
+    forward: str = "lean"
+
+    def __post_init__(self) -> None:
+        for name, choices in (
+            ("linear", LINEAR_KERNELS),
+            ("draft_quant", QUANTIZATIONS),
+            ("target_quant", QUANTIZATIONS),
+            ("forward", FORWARD_PATHS),
+        ):
+            value = getattr(self, name)
+            _check(
+                value in choices,
+                f"{name} must be one of {', '.join(choices)}, got {value!r}",
+                field=name,
+            )
+
+    @classmethod
+    def plain(cls) -> KernelConfig:
+        """torch's and transformers' own kernels: the models exactly as loaded."""
+        return cls(
+            linear="default", draft_quant="none", target_quant="none", forward="transformers"
+        )
 
 
 @dataclass(frozen=True)
@@ -124,20 +176,24 @@ class SamplingConfig:
             and math.isfinite(self.temperature)
             and self.temperature >= 0,
             f"temperature must be a finite number >= 0, got {self.temperature!r}",
+            field="temperature",
         )
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0,
             f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
+            field="top_k",
         )
         _check(
             isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
             f"top_p must be in (0, 1], got {self.top_p!r}",
+            field="top_p",
         )
         _check(
             self.seed is None
             or (isinstance(self.seed, int) and not isinstance(self.seed, bool))
             and 0 <= self.seed <= MAX_SEED,
             f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}",
+            field="seed",
         )
         object.__setattr__(self, "temperature", _greedy_below_minimum(self.temperature))
 
@@ -176,44 +232,58 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check(
+            self.mode in MODES,
+            f"mode must be one of {', '.join(MODES)}, got {self.mode!r}",
+            field="mode",
+        )
         _check(
             self.drafter in DRAFTERS,
             f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}",
+            field="drafter",
         )
         _check(
-            isinstance(self.k, int) and self.k >= 1, f"k must be an integer >= 1, got {self.k!r}"
+            isinstance(self.k, int) and self.k >= 1,
+            f"k must be an integer >= 1, got {self.k!r}",
+            field="k",
         )
         _check(
             isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
             f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+            field="max_new_tokens",
         )
         _check(
             isinstance(self.draft_temperature, (int, float))
             and math.isfinite(self.draft_temperature)
             and self.draft_temperature >= 0,
             f"draft_temperature must be a finite number >= 0, got {self.draft_temperature!r}",
+            field="draft_temperature",
         )
         object.__setattr__(self, "draft_temperature", _greedy_below_minimum(self.draft_temperature))
         _check(
             isinstance(self.draft_confidence, (int, float)) and 0 <= self.draft_confidence < 1,
             f"draft_confidence must be in [0, 1) (0 = off), got {self.draft_confidence!r}",
+            field="draft_confidence",
         )
         _check(
             isinstance(self.max_ngram, int) and self.max_ngram >= 1,
             f"max_ngram must be an integer >= 1, got {self.max_ngram!r}",
+            field="max_ngram",
         )
         _check(
             isinstance(self.mla_proposals, int) and self.mla_proposals >= 1,
             f"mla_proposals must be an integer >= 1, got {self.mla_proposals!r}",
+            field="mla_proposals",
         )
         _check(
             not (self.drafter == "mla" and self.draft_temperature > 0),
             "the mla drafter drafts greedily; it cannot be combined with draft_temperature > 0",
+            field="drafter",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop strings must be non-empty strings, got {self.stop!r}",
+            field="stop",
         )
 
     @property

@@ -316,10 +316,9 @@ class SpeculativeDecoder:
             verdict = verdict.without_deferral()
             deferral = None
         records = self._loose_records(verdict, draft, step.target_logits, config, progress.produced)
-        tokens = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+        tokens = draft.tokens[: verdict.num_kept].tolist() + [verdict.next_token]
         origins: list[Origin] = [
-            "loose" if i in verdict.loose_positions else "exact"
-            for i in range(verdict.num_accepted)
+            "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
         ] + ["bonus" if verdict.is_bonus else "correction"]
         if deferral is not None:
             origins[deferral.position] = "loose"
@@ -335,7 +334,7 @@ class SpeculativeDecoder:
         stats.add_round(
             RoundStats(
                 drafted=len(draft),
-                accepted=min(verdict.num_accepted, cut) - verdict.num_loose,
+                accepted=min(verdict.num_kept, cut) - verdict.num_loose,
                 loosely_accepted=verdict.num_loose,
                 emitted=emitted,
                 ended_by_eos=finished,

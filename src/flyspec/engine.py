@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, KernelConfig
 from flyspec.decode import Origin, SpeculativeDecoder, TokenEvent
 from flyspec.errors import FlyspecError
 from flyspec.stats import RequestStats
@@ -158,10 +158,14 @@ class Engine:
         with_draft: bool = True,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        forward_path: str = "lean",
+        kernels: KernelConfig | None = None,
     ) -> Engine:
-        """Load a pair (the embedded default pair where a name is None) and check that the
-        two tokenizers agree. ``with_draft=False`` skips the draft (target-only decoding)."""
+        """Load a pair (the embedded default pair where a name is None), check that the two
+        tokenizers agree and switch the models to ``kernels`` (by default the kernels every
+        ``flyspec`` command uses, so that the library gives the commands' tokens).
+        ``with_draft=False`` skips the draft (target-only decoding)."""
+        kernels = kernels or KernelConfig()
+        from flyspec.kernels import apply_cpu_kernels, check_target_quant
         from flyspec.models import (
             check_same_tokenizer,
             default_pair_paths,
@@ -173,6 +177,8 @@ class Engine:
             defaults = default_pair_paths()
             target = target or str(defaults.target)
             draft = draft or str(defaults.draft)
+        if device == "cpu":
+            check_target_quant(kernels.target_quant, dtype)  # before minutes of loading
         tokenizer = load_tokenizer(target)
         draft_model = None
         if with_draft:
@@ -183,14 +189,16 @@ class Engine:
             draft_device = "cuda:0" if device == "balanced" else device
             draft_model = load_causal_lm(draft, dtype=dtype, device=draft_device)
         target_model = load_causal_lm(target, dtype=dtype, device=device)
-        return cls(
+        engine = cls(
             target_model=target_model,
             draft_model=draft_model,
             tokenizer=tokenizer,
             target_name=target,
             draft_name=draft if with_draft else None,
-            forward_path=forward_path,
+            forward_path=kernels.forward,
         )
+        apply_cpu_kernels(engine, kernels)
+        return engine
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set."""

@@ -1,10 +1,7 @@
 """Faster CPU kernels for a loaded model pair: oneDNN-packed float32 Linear layers and
-weight quantisation of the draft. Applied by every command through ``flyspec.cli.load_engine``.
-
-Measured on this project's 2-core AMD EPYC machine (``flyspec bench --forward-cost``, 2 threads):
-the 1.5B target's forward over 1 / 16 new tokens costs 316 / 508 ms with torch's default float32
-kernels and 147 / 205 ms with packed oneDNN weights; the int8 draft (0.5B) costs about 20 ms per
-token instead of about 120 ms.
+weight quantisation. :meth:`flyspec.engine.Engine.load` applies them as its
+:class:`~flyspec.config.KernelConfig` says; what they gain is measured by
+``flyspec bench --forward-cost`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import warnings
 
 import torch
 
-from flyspec.config import LINEAR_KERNELS, QUANTIZATIONS
+from flyspec.config import KernelConfig
 from flyspec.errors import FlyspecError
 
 
@@ -213,24 +210,17 @@ def check_target_quant(target_quant: str, dtype: torch.dtype) -> None:
         )
 
 
-def apply_cpu_kernels(
-    engine, *, linear: str = "onednn", draft_quant: str = "int8", target_quant: str = "none"
-) -> dict:
-    """Switch a loaded engine's models to faster CPU kernels, in place; return what was done.
+def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
+    """Switch a loaded engine's models to the CPU kernels of ``kernels``, in place; return
+    what was done (also kept as ``engine.kernels``).
 
     Must run after the engine is built (its decoder has read the vocabulary size from the
     target's output layer). Quantisation comes first; the float32 Linear layers left are then
     packed for oneDNN. A quantised draft is made from float32 weights whatever the target's
-    dtype; a quantised target needs float32 weights (FlyspecError otherwise). Nothing changes
-    on other devices.
+    dtype; a quantised target needs float32 weights (FlyspecError otherwise). Models on other
+    devices are left as they are.
     """
-    for name, value, choices in (
-        ("linear", linear, LINEAR_KERNELS),
-        ("draft_quant", draft_quant, QUANTIZATIONS),
-        ("target_quant", target_quant, QUANTIZATIONS),
-    ):
-        if value not in choices:
-            raise FlyspecError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    linear, draft_quant, target_quant = kernels.linear, kernels.draft_quant, kernels.target_quant
     done = {"linear": linear, "draft_quant": draft_quant, "target_quant": target_quant}
     roles = {
         "draft": (engine.draft_model, draft_quant),

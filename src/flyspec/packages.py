@@ -14,8 +14,9 @@ from flyspec.errors import FlyspecError
 def pip_install_into(
     requirement: str, folder: Path, *, pip_command: Sequence[str] | None = None
 ) -> None:
-    """``pip install --no-deps --target folder requirement``; FlyspecError with pip's last
-    error lines on failure (and the half-written folder removed).
+    """``pip install --no-deps --only-binary :all: --target folder requirement``; FlyspecError
+    with pip's last error lines on failure (and the half-written folder removed). Wheels only:
+    installing a source distribution would run its build code.
 
     ``pip_command`` replaces ``[sys.executable, "-m", "pip"]`` (tests pass a fake one).
     """
@@ -23,6 +24,8 @@ def pip_install_into(
         *(pip_command if pip_command is not None else (sys.executable, "-m", "pip")),
         "install",
         "--no-deps",
+        "--only-binary",
+        ":all:",
         "--no-compile",
         "--no-cache-dir",
         "--disable-pip-version-check",

@@ -39,22 +39,24 @@ class Deferral:
 class Verdict:
     """The outcome of verifying one block of ``num_drafted`` draft tokens.
 
-    The round emits ``draft_tokens[:num_accepted]`` and then ``next_token``: the target's
-    correction at position ``num_accepted`` if ``num_accepted < num_drafted``, else the bonus.
-    ``loose_positions`` are the indices (all ``< num_accepted``) kept loosely by FLy.
+    The round emits ``draft_tokens[:num_kept]`` (the drafted tokens it keeps, exact matches
+    and loose ones alike; :class:`~flyspec.stats.RoundStats` counts them apart) and then
+    ``next_token``: the target's correction at position ``num_kept`` if
+    ``num_kept < num_drafted``, else the bonus.
+    ``loose_positions`` are the indices (all ``< num_kept``) kept loosely by FLy.
     With a ``deferral`` the whole block and the bonus are kept tentatively
-    (``num_accepted == num_drafted``); the deferred position is not in ``loose_positions``.
+    (``num_kept == num_drafted``); the deferred position is not in ``loose_positions``.
     """
 
     num_drafted: int
-    num_accepted: int
+    num_kept: int
     loose_positions: tuple[int, ...]
     next_token: int
     deferral: Deferral | None = None
 
     @property
     def is_bonus(self) -> bool:
-        return self.num_accepted == self.num_drafted
+        return self.num_kept == self.num_drafted
 
     @property
     def num_loose(self) -> int:
@@ -62,7 +64,7 @@ class Verdict:
 
     @property
     def num_emitted(self) -> int:
-        return self.num_accepted + 1
+        return self.num_kept + 1
 
     def without_deferral(self) -> Verdict:
         """The plain verdict: cut at the deferred position with the target's correction."""
@@ -70,7 +72,7 @@ class Verdict:
             return self
         return Verdict(
             num_drafted=self.num_drafted,
-            num_accepted=self.deferral.position,
+            num_kept=self.deferral.position,
             loose_positions=self.loose_positions,
             next_token=self.deferral.correction,
         )
@@ -82,7 +84,7 @@ class Verdict:
         mismatches = list(self.loose_positions)
         if self.deferral is not None:
             mismatches.append(self.deferral.position)
-        return min([self.num_accepted, *mismatches])
+        return min([self.num_kept, *mismatches])
 
 
 # --------------------------------------------------------------------------- entropy
@@ -328,26 +330,26 @@ def _verdict(
     loose = candidates
     if fly is not None:
         loose = candidates & window_holds(accepted, window=fly.window)
-    num_accepted = first_unkept(accepted | loose)
-    loose_positions = tuple(int(i) for i in loose[:num_accepted].nonzero().flatten())
+    num_kept = first_unkept(accepted | loose)
+    loose_positions = tuple(int(i) for i in loose[:num_kept].nonzero().flatten())
     need = 0
     if fly is not None and fly.defer:
-        need = deferred_need(accepted, candidates, cut=num_accepted, window=fly.window)
+        need = deferred_need(accepted, candidates, cut=num_kept, window=fly.window)
     if need:
         return Verdict(
             num_drafted=num_drafted,
-            num_accepted=num_drafted,
+            num_kept=num_drafted,
             loose_positions=loose_positions,
             next_token=int(next_token_at(num_drafted)),
             deferral=Deferral(
-                position=num_accepted, need=need, correction=int(next_token_at(num_accepted))
+                position=num_kept, need=need, correction=int(next_token_at(num_kept))
             ),
         )
     return Verdict(
         num_drafted=num_drafted,
-        num_accepted=num_accepted,
+        num_kept=num_kept,
         loose_positions=loose_positions,
-        next_token=int(next_token_at(num_accepted)),
+        next_token=int(next_token_at(num_kept)),
     )
 
 

@@ -108,7 +108,7 @@ def test_greedy_batches_equal_verify_greedy_request_by_request(fly):
             verdict = verify_greedy(
                 drafts[block].long(), torch.cat([logits[block], bonus_row]), fly=fly
             )
-            expected = drafts[block][: verdict.num_accepted].tolist() + [verdict.next_token]
+            expected = drafts[block][: verdict.num_kept].tolist() + [verdict.next_token]
             assert emitted(output[request]) == expected
             loose_total += verdict.num_loose
             rejected_seen += not verdict.is_bonus

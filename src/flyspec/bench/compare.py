@@ -9,7 +9,6 @@ that is faster or slower as a whole.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -102,29 +101,3 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         f"{UNSTABLE_SPREAD:.0%} wide); ~ otherwise, within the noise.",
     ]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flyspec.bench.compare OLD NEW``: compare two finished runs."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(
-        prog="python -m flyspec.bench.compare",
-        description="Compare two flyspec bench runs (bench.json files or their folders).",
-    )
-    parser.add_argument("old")
-    parser.add_argument("new")
-    args = parser.parse_args(argv)
-    try:
-        old, new = read_bench(args.old), read_bench(args.new)
-    except FlyspecError as error:
-        print(f"flyspec: error: {error}", file=sys.stderr)
-        return 2
-    with contextlib.suppress(BrokenPipeError):  # the reader left early (| head)
-        print(format_comparison(old, new, old_name=args.old))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -374,10 +374,11 @@ def _load_line(load: Mapping) -> str:
 
 def write_plots(report: Mapping, folder: Path) -> list[str]:
     """Speedup bars, tokens-per-round histograms and acceptance by position, as PNG files."""
-    import matplotlib
+    from flyspec.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return []
 
     summaries = report["methods"]
     written = []

@@ -286,3 +286,69 @@ def summarise_vllm_runs(
         tokens, seconds = runs.concurrent
         summary["concurrent_tokens_per_second"] = round(tokens / seconds, 4)
     return summary
+
+
+def run_vllm_benchmark(
+    spec: VllmEngineSpec,
+    method_names: Sequence[str],
+    prompts: Sequence,
+    tokenizer,
+    config,
+    *,
+    concurrency: int,
+    progress: bool,
+    dataset: str,
+    chat: bool,
+) -> dict:
+    """vLLM's methods (``vllm-target`` first) one engine after another on ``prompts``
+    (:class:`~flyspec.bench.prompts.BenchPrompt`), each at batch 1 after a warm-up and then
+    with ``concurrency`` requests in flight; the report, its speedups over vllm-target."""
+    from flyspec.bench.prompts import encode_prompts
+    from flyspec.bench.report import decoding_settings, environment, sample_records
+
+    methods = make_vllm_methods(method_names, spec, config.sampling, concurrency=concurrency)
+    prompts_ids = encode_prompts(tokenizer, prompts)
+    runs = run_vllm_methods(
+        methods,
+        prompts_ids,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.sampling.seed,
+        concurrency=concurrency,
+        warmup_tokens=min(config.max_new_tokens, 2 * (config.k + 1)),
+        progress=progress,
+    )
+    baseline = runs[0]
+    samples = {
+        run.name: sample_records(
+            prompts,
+            prompts_ids,
+            run.samples,
+            baseline.samples,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        for run in runs
+    }
+    baseline_speed = [r["tokens_per_second"] for r in samples[baseline.name]]
+    return {
+        "config": {
+            "dataset": dataset,
+            "prompts": len(prompts),
+            "methods": list(method_names),
+            "baseline": baseline.name,
+            **decoding_settings(config),
+            "concurrency": concurrency,
+            "target": spec.target,
+            "draft": spec.draft,
+            "vllm": {"dtype": spec.dtype or "auto", "max_model_len": spec.max_model_len},
+            "chat": chat,
+            "timing": "vLLM methods one engine after another, each prompt at batch 1 after "
+            "a warm-up, then all prompts with `concurrency` in flight; flyspec's methods "
+            "after them, interleaved per prompt",
+        },
+        "environment": environment(),
+        "methods": [
+            summarise_vllm_runs(run, samples[run.name], baseline_speed, k=config.k) for run in runs
+        ],
+        "prompts": [prompt.as_dict() for prompt in prompts],
+        "samples": samples,
+    }

@@ -180,10 +180,11 @@ def plot(path: Path, analysis: dict) -> bool:
     ]
     if not panels:
         return False
-    import matplotlib
+    from flyspec.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return False
 
     colours = {"lost": "tab:red", "unchanged": "tab:grey", "gained": "tab:green", None: "black"}
     columns = min(3, len(panels))

@@ -268,10 +268,11 @@ def plot_tradeoff(path: Path, payload: dict) -> bool:
     ]
     if not panels:
         return False
-    import matplotlib
+    from flyspec.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return False
 
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
     for axis, (task, result) in zip(axes[0], panels, strict=True):

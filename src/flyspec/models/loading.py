@@ -73,11 +73,14 @@ def _resolve_source(spec: str) -> _Source:
     raise FlyspecError(f"model path does not exist: {path}; {_HOW_TO_PROVIDE}")
 
 
-def _require_accelerate() -> None:
-    # transformers refuses GGUF files without accelerate; say so in our words, before the slow part.
-    if importlib.util.find_spec("accelerate") is None:
+def require_gguf_support() -> None:
+    """FlyspecError, before the slow part, where transformers cannot read GGUF files: it needs
+    the gguf and accelerate packages (the ``gguf`` extra)."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
         raise FlyspecError(
-            "loading a .gguf file needs the `accelerate` package: pip install accelerate"
+            f"reading a .gguf file needs the {' and '.join(missing)} package"
+            f"{'s' if len(missing) > 1 else ''}: pip install 'flyspec[gguf]'"
         )
 
 
@@ -145,7 +148,7 @@ def load_causal_lm(
     if target_device == BALANCED:
         kwargs["device_map"] = "auto"  # accelerate places the layers over all GPUs
     if source.gguf_file is not None:
-        _require_accelerate()
+        require_gguf_support()
         kwargs["gguf_file"] = source.gguf_file
     try:
         model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)

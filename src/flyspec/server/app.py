@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from flyspec.config import MAX_SEED, ConfigError, DecodeConfig, SamplingConfig
 from flyspec.errors import FlyspecError
 from flyspec.server import protocol
-from flyspec.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
+from flyspec.server.access import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
 from flyspec.server.metrics import CONTENT_TYPE, ServerMetrics
 from flyspec.server.protocol import (
     MESSAGE_LIMIT,
@@ -58,23 +58,27 @@ GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
-# The first word of a ConfigError message -> the request field it is about.
+# The settings a request can set, by DecodeConfig's name -> the request field's name.
 _CONFIG_PARAMS = {
-    "mode": "mode",
-    "drafter": "drafter",
-    "k": "k",
+    **{
+        name: name
+        for name in (
+            "mode",
+            "drafter",
+            "k",
+            "window",
+            "theta",
+            "entropy",
+            "min_ratio",
+            "max_rank",
+            "defer",
+            "temperature",
+            "top_k",
+            "top_p",
+            "stop",
+        )
+    },
     "max_new_tokens": "max_tokens",
-    "window": "window",
-    "theta": "theta",
-    "entropy": "entropy",
-    "min_ratio": "min_ratio",
-    "max_rank": "max_rank",
-    "defer": "defer",
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "stop": "stop",
-    "the": "drafter",  # "the mla drafter drafts greedily ..."
 }
 
 
@@ -459,7 +463,7 @@ def request_config(
         )
     except ConfigError as error:
         message = str(error)
-        param = _CONFIG_PARAMS.get(message.split(" ", 1)[0])
+        param = _CONFIG_PARAMS.get(error.field)
         raise APIError(
             400, clip(message, MESSAGE_LIMIT), param=param, code="invalid_value"
         ) from None

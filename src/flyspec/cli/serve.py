@@ -1,36 +1,41 @@
-"""The ``flyspec serve`` subcommand. Only argparse at import time: fastapi, uvicorn and torch
-are imported when the command runs, so ``flyspec --help`` stays fast."""
+"""``flyspec serve``: the OpenAI-compatible server of :mod:`flyspec.server`, or vLLM's with the
+FLy plugin. Only argparse at import time: fastapi, uvicorn and torch are imported when the
+command runs, so ``flyspec --help`` stays fast."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import re
 import sys
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_QUEUE_SIZE = 8
-DEFAULT_REQUEST_TIMEOUT = 600.0
-# The default pair's context is 32,768 tokens: a prompt that fills it is 512 KiB of JSON even
-# at 16 bytes a token, and a longer one is refused (400) after tokenizing anyway. 4 MiB leaves
-# room for longer-context models and heavy escaping while bounding what one request costs.
-DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
-# A ChatML message costs at least 5 template tokens, so 4096 messages take 20,480 or more of
-# a 32,768-token context: a conversation with more rarely fits.
-DEFAULT_MAX_MESSAGES = 4096
-API_KEY_ENV = "FLYSPEC_API_KEY"
-GRACEFUL_SHUTDOWN_SECONDS = 5  # on Ctrl-C, streams still open after this are cut
+from flyspec.cli.options import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_vllm_arguments,
+    decode_config_from_args,
+    load_engine,
+    vllm_engine_spec,
+)
+from flyspec.errors import FlyspecError
+from flyspec.server.access import (
+    API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_PORT,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_REQUEST_TIMEOUT,
+    GRACEFUL_SHUTDOWN_SECONDS,
+    default_model_name,
+    exposure_warning,
+    resolve_api_key,
+)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``flyspec`` subcommands (an argparse subparsers object)."""
-    from flyspec.cli import add_decode_arguments, add_model_arguments, add_vllm_arguments
-
     serve = commands.add_parser(
         "serve",
         help="serve the model pair over an OpenAI-compatible HTTP API",
@@ -116,9 +121,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the models and serve until interrupted."""
-    from flyspec.cli import decode_config_from_args, load_engine
-    from flyspec.errors import FlyspecError
-
     defaults = decode_config_from_args(args)
     if not 0 <= args.port <= 65535:
         raise FlyspecError(f"--port must be in 0..65535, got {args.port}")
@@ -177,8 +179,6 @@ def server_options(args: argparse.Namespace, *, api_key: str | None) -> dict[str
     """``create_app``'s access and size settings from the serve options, checked
     (FlyspecError): ``api_key``, ``metrics_require_key``, ``docs``, ``max_body_bytes`` and
     ``max_messages``, the last two with their defaults filled in."""
-    from flyspec.errors import FlyspecError
-
     max_messages = DEFAULT_MAX_MESSAGES if args.max_messages is None else args.max_messages
     if max_messages < 1:
         raise FlyspecError(f"--max-messages must be >= 1, got {max_messages}")
@@ -206,46 +206,9 @@ def byte_size(text: str) -> int:
     return size
 
 
-def resolve_api_key(option: str | None, *, environ: Mapping[str, str]) -> str | None:
-    """The API key: ``--api-key``, else the ``FLYSPEC_API_KEY`` variable of ``environ``
-    (an empty variable counts as unset); None when neither gives one. Surrounding
-    whitespace is dropped: an HTTP header cannot carry it."""
-    from flyspec.errors import FlyspecError
-
-    if option is not None:
-        if not option.strip():
-            raise FlyspecError("--api-key must not be empty")
-        return option.strip()
-    return environ.get(API_KEY_ENV, "").strip() or None
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` only listens on this machine (localhost, 127.0.0.0/8, ::1)."""
-    name = host.strip().strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def exposure_warning(host: str, *, api_key: str | None) -> str | None:
-    """The warning printed when the server listens beyond loopback without an API key."""
-    if api_key is not None or is_loopback(host):
-        return None
-    return (
-        f"flyspec: warning: listening on {host!r}, beyond this machine, without an API key: "
-        f"anyone who reaches the port can use the model; set {API_KEY_ENV} (or --api-key), "
-        "or bind --host 127.0.0.1"
-    )
-
-
 def refuse_flyspec_server_options(args: argparse.Namespace, *, api_key: str | None) -> None:
     """``--engine vllm`` runs vLLM's own server: refuse the options only flyspec's has, so an
     API key is never silently dropped."""
-    from flyspec.errors import FlyspecError
-
     if api_key is not None:
         raise FlyspecError(
             f"--api-key / {API_KEY_ENV} is not passed on to vLLM's server; give vLLM its own "
@@ -272,8 +235,6 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     top-k, top-p and --max-new-tokens onto the requests' defaults."""
     import shlex
 
-    from flyspec.cli import vllm_engine_spec
-    from flyspec.errors import FlyspecError
     from flyspec.integrations.vllm.launch import exec_serve, printable, serve_command
 
     if defaults.stop or defaults.draft_temperature or defaults.draft_confidence:
@@ -303,11 +264,3 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     print(f"flyspec: starting {printable(command)}", flush=True)
     exec_serve(command)
     return 0  # pragma: no cover - exec does not return
-
-
-def default_model_name(target_arg: str | None, target_path: str) -> str:
-    """The served id: a hub id as given, else the folder name (or GGUF file stem)."""
-    if target_arg and not Path(target_arg).exists():
-        return target_arg
-    path = Path(target_path)
-    return path.stem if path.suffix.lower() == ".gguf" else path.name

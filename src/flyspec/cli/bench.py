@@ -1,0 +1,318 @@
+"""``flyspec bench``: speed of flyspec's methods and transformers' peers side by side, of vLLM's
+methods (``--engine vllm``), or the cost of a multi-token forward (``--forward-cost``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from flyspec.bench.methods import (
+    ALL_METHODS,
+    DEFAULT_METHODS,
+    DEFAULT_VLLM_METHODS,
+    METHODS_NEEDING_DRAFT,
+    VLLM_METHOD_NAMES,
+    parse_methods,
+)
+from flyspec.bench.prompts import DATASET_NAMES, BenchPrompt
+from flyspec.cli.options import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_vllm_arguments,
+    decode_config_from_args,
+    load_engine,
+    vllm_engine_spec,
+)
+from flyspec.errors import FlyspecError
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Add ``bench`` to the ``flyspec`` subcommands."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure speed: flyspec's methods and transformers' peers side by side",
+        description="Measure the speed of flyspec's methods and transformers' peers on the same "
+        "models and prompts, interleaved per prompt; or (--forward-cost) the cost of a multi-token "
+        "forward relative to a one-token forward.",
+    )
+    add_model_arguments(bench)
+    # Each method fixes its mode and drafter; stop strings and draft sampling do not apply.
+    add_decode_arguments(bench, leave_out=("mode", "drafter", "stop", "draft_temperature"))
+    bench.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated, from {', '.join(ALL_METHODS)} "
+        f"(default: {','.join(DEFAULT_METHODS)}; with --engine vllm: "
+        f"{','.join(DEFAULT_VLLM_METHODS)}); the baseline (target, or vllm-target with "
+        "--engine vllm) is always included",
+    )
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument(
+        "--dataset", default="humaneval", choices=DATASET_NAMES, help="default: humaneval"
+    )
+    source.add_argument(
+        "--prompts-file",
+        help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of a dataset',
+    )
+    bench.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
+    bench.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: when the tokenizer has one)",
+    )
+    bench.add_argument(
+        "--output", help="output folder (default: results/bench-<dataset>-<timestamp>)"
+    )
+    bench.add_argument("--json", action="store_true", help="also print the JSON report to stdout")
+    bench.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
+    bench.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+    add_vllm_arguments(bench)
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="with --engine vllm: also measure each vLLM method's throughput with this many "
+        "requests in flight (default 1: batch 1 only)",
+    )
+    cost = bench.add_argument_group("forward cost")
+    cost.add_argument(
+        "--forward-cost",
+        action="store_true",
+        help="instead: time one forward over n = 1..K+1 new tokens on each model",
+    )
+    cost.add_argument(
+        "--context-tokens", type=int, default=200, help="KV cache length (default 200)"
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="passes over the prompts, each running every method once per prompt in a rotated "
+        "order (default 1); speeds and speedups are then medians with their range. With "
+        "--forward-cost: timed repeats per n (default 5)",
+    )
+    bench.add_argument(
+        "--compare",
+        metavar="OLD_BENCH_JSON",
+        help="after the run, print each method's new/old speed ratio against this earlier "
+        "bench.json, marking changes larger than the noise",
+    )
+    bench.set_defaults(handler=run_bench)
+    return bench
+
+
+def add_compare_parser(commands) -> argparse.ArgumentParser:
+    """Add ``compare`` (two finished bench runs side by side) to the ``flyspec`` subcommands."""
+    compare = commands.add_parser(
+        "compare",
+        help="compare two flyspec bench runs",
+        description="Compare two flyspec bench runs (bench.json files or their folders): each "
+        "method's new/old speed ratio, marking changes larger than the noise.",
+    )
+    compare.add_argument("old", help="the earlier bench.json or its folder")
+    compare.add_argument("new", help="the later bench.json or its folder")
+    compare.set_defaults(handler=run_compare)
+    return compare
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from flyspec.bench.compare import format_comparison, read_bench
+
+    old, new = read_bench(args.old), read_bench(args.new)
+    print(format_comparison(old, new, old_name=args.old))
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise FlyspecError(f"--limit must be >= 1, got {args.limit}")
+    if args.threads is not None and args.threads < 1:
+        raise FlyspecError(f"--threads must be >= 1, got {args.threads}")
+    if (args.repeats is not None and args.repeats < 1) or args.context_tokens < 1:
+        raise FlyspecError("--repeats and --context-tokens must be >= 1")
+    if args.engine == "vllm" and (args.repeats or 1) > 1:
+        raise FlyspecError("--repeats is not supported with --engine vllm yet; drop one")
+    if args.compare:
+        from flyspec.bench.compare import read_bench
+
+        read_bench(args.compare)  # a bad file is refused before any model loads
+    if args.concurrency < 1:
+        raise FlyspecError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.engine == "vllm" and args.forward_cost:
+        raise FlyspecError("--forward-cost times flyspec's own forwards; drop --engine vllm")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from flyspec.bench import run_benchmark
+    from flyspec.runtime import set_torch_threads
+
+    _check_args(args)
+    vllm_engine = args.engine == "vllm"
+    methods = parse_methods(
+        args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS),
+        baseline="vllm-target" if vllm_engine else "target",
+    )
+    in_vllm = [name for name in methods if name in VLLM_METHOD_NAMES]
+    if in_vllm and not vllm_engine:
+        raise FlyspecError(f"{', '.join(in_vllm)} run in vLLM: add --engine vllm")
+    config = decode_config_from_args(args)
+    if args.threads is not None:
+        set_torch_threads(args.threads)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.forward_cost:
+        output = Path(args.output or f"results/forward-cost-{stamp}")
+        return _run_forward_cost(args, config, output)
+
+    if vllm_engine:
+        return _run_vllm_bench(args, methods, config, stamp)
+
+    engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT.intersection(methods)))
+    kernels = engine.kernels
+    prompts, dataset, chat = _prompts(args, engine.tokenizer)
+    output = Path(args.output or f"results/bench-{dataset}-{stamp}")
+
+    report = run_benchmark(
+        engine,
+        prompts,
+        methods,
+        config,
+        progress=args.progress,
+        dataset=dataset,
+        repeats=args.repeats or 1,
+    )
+    report["config"].update(device=args.device, dtype=args.dtype, chat=chat, kernels=kernels)
+    return _finish(args, report, output)
+
+
+def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp: str) -> int:
+    """vLLM's methods one engine after another, then flyspec's own (interleaved), in one
+    report whose speedups are over vllm-target."""
+    from flyspec.bench import add_flyspec_methods, run_benchmark
+    from flyspec.bench.vllm import run_vllm_benchmark
+    from flyspec.models import load_tokenizer
+
+    if not config.sampling.greedy and config.sampling.seed is None:
+        config = config.with_updates(sampling=replace(config.sampling, seed=0))
+    spec = vllm_engine_spec(args, config, mode="fly")
+    tokenizer = load_tokenizer(spec.target)
+    prompts, dataset, chat = _prompts(args, tokenizer)
+    output = Path(args.output or f"results/bench-{dataset}-vllm-{stamp}")
+    report = run_vllm_benchmark(
+        spec,
+        [name for name in methods if name in VLLM_METHOD_NAMES],
+        prompts,
+        tokenizer,
+        config,
+        concurrency=args.concurrency,
+        progress=args.progress,
+        dataset=dataset,
+        chat=chat,
+    )
+    report["config"]["methods"] = methods
+    flyspec_names = [name for name in methods if name not in VLLM_METHOD_NAMES]
+    if flyspec_names:
+        engine = load_engine(
+            args, with_draft=bool(METHODS_NEEDING_DRAFT.intersection(flyspec_names))
+        )
+        own = run_benchmark(
+            engine, prompts, flyspec_names, config, progress=args.progress, dataset=dataset
+        )
+        add_flyspec_methods(
+            report,
+            own,
+            engine_settings={"device": args.device, "dtype": args.dtype, "kernels": engine.kernels},
+        )
+    return _finish(args, report, output)
+
+
+def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[BenchPrompt], str, bool]:
+    """The prompts of --dataset or --prompts-file, their source's name, and whether they are
+    chat prompts (default: when the tokenizer has a chat template)."""
+    chat = args.chat
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if args.prompts_file:
+        from flyspec.bench.prompts import read_prompts_file
+
+        prompts = read_prompts_file(args.prompts_file, limit=args.limit, chat=chat)
+        return prompts, Path(args.prompts_file).stem, chat
+    from flyspec.bench.prompts import dataset_prompts
+
+    return dataset_prompts(args.dataset, limit=args.limit, chat=chat), args.dataset, chat
+
+
+def _finish(args: argparse.Namespace, report: dict, output: Path) -> int:
+    """Write the report, warn where a lossless method differs from its baseline, print."""
+    from flyspec.bench import console_notes, lossless_warnings
+    from flyspec.bench.report import markdown_table, write_report
+
+    files = write_report(report, output)
+    for warning in lossless_warnings(report):
+        print(f"flyspec: warning: {warning}", file=sys.stderr)
+    table = markdown_table(report["methods"], baseline=report["config"].get("baseline", "target"))
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+        print(table, file=sys.stderr)
+    else:
+        print(table)
+    for line in console_notes(report):
+        print(f"flyspec: {line}", file=sys.stderr)
+    if args.compare:
+        from flyspec.bench.compare import format_comparison, read_bench
+
+        print(format_comparison(read_bench(args.compare), report, old_name=args.compare))
+    print(f"wrote {', '.join(files)} to {output}", file=sys.stderr)
+    return 0
+
+
+def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
+    from flyspec.bench.forward_cost import format_forward_cost, measure_forward_cost
+    from flyspec.bench.report import environment
+
+    engine = load_engine(args, with_draft=True)
+    kernels = engine.kernels
+    models = {"draft": engine.draft_model, "target": engine.target_model}
+    costs = {}
+    for role, model in models.items():
+        print(f"timing the {role} ...", file=sys.stderr, flush=True)
+        costs[role] = measure_forward_cost(
+            model,
+            max_new_tokens=config.k + 1,
+            context_tokens=args.context_tokens,
+            repeats=args.repeats or 5,
+            forward_path=args.forward,
+        )
+    table = format_forward_cost(costs)
+    report = {
+        "config": {
+            "k": config.k,
+            "context_tokens": args.context_tokens,
+            "repeats": args.repeats or 5,
+            "target": engine.target_name,
+            "draft": engine.draft_name,
+            "dtype": args.dtype,
+            "device": args.device,
+            "kernels": kernels,
+        },
+        "environment": environment(),
+        "forward_cost": {role: [c.as_dict() for c in rows] for role, rows in costs.items()},
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "forward-cost.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "forward-cost.md").write_text(table + "\n")
+    if args.json:
+        print(json.dumps(report))
+        print(table, file=sys.stderr)
+    else:
+        print(table)
+    print(f"wrote forward-cost.json, forward-cost.md to {output}", file=sys.stderr)
+    return 0

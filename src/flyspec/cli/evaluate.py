@@ -1,0 +1,235 @@
+"""``flyspec eval``: accuracy recovery and speed of FLy on HumanEval and GSM8K
+(:mod:`flyspec.evaluation`), with lists of FLy settings compared in one run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from flyspec import config as cfg
+from flyspec.cli.options import (
+    LOOSENING_OPTIONS,
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    load_engine,
+    say,
+)
+from flyspec.errors import FlyspecError
+from flyspec.evaluation.run import PROMPT_STYLES, TASKS
+
+DEFAULT_MODES = "target,spd,fly"
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Add ``eval`` to the ``flyspec`` subcommands."""
+    parser = commands.add_parser(
+        "eval",
+        help="accuracy recovery and speedup of FLy on HumanEval and GSM8K",
+        description=(
+            "Run the target alone, exact SPD and FLy (one or several theta/W settings) on the "
+            "same HumanEval / GSM8K problems; report score (Wilson 95% CI), recovery vs the "
+            "target (paired bootstrap CI), speedup, tau and every changed outcome. Writes "
+            "eval.json, eval.md and tradeoff.png. Generations are cached: a rerun is free and "
+            "an interrupted run resumes."
+        ),
+    )
+    add_model_arguments(parser)
+    # The FLy rule's options take lists here (each combination is a method), and --modes
+    # replaces --mode.
+    add_decode_arguments(parser, leave_out=("mode", "max_new_tokens", *LOOSENING_OPTIONS))
+    parser.add_argument(
+        "--modes",
+        "--mode",
+        dest="modes",
+        default=DEFAULT_MODES,
+        help=f"comma-separated methods among {', '.join(cfg.MODES)} (default {DEFAULT_MODES})",
+    )
+    parser.add_argument(
+        "--theta",
+        default=str(cfg.DEFAULT_THETA),
+        help="FLy entropy threshold(s), comma-separated, e.g. 0,0.3 (default 0.3); every "
+        "(theta, window) combination is its own fly method",
+    )
+    parser.add_argument(
+        "--window",
+        default=str(cfg.DEFAULT_WINDOW),
+        help="FLy deferred window(s) W, comma-separated, e.g. 0,4,6 (default 6)",
+    )
+    parser.add_argument(
+        "--min-ratio",
+        default="0",
+        help="FLy plausibility floor(s): least target probability of the draft token relative "
+        "to the target's top token, comma-separated, e.g. 0,0.1 (default 0: off)",
+    )
+    parser.add_argument(
+        "--max-rank",
+        default="0",
+        help="FLy plausibility floor(s): the draft token among the target's top N, "
+        "comma-separated (default 0: off)",
+    )
+    parser.add_argument(
+        "--defer",
+        default="off",
+        help="FLy deferral across blocks: off, on, or off,on for both (default off)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="token budget per generation (default: humaneval 384, gsm8k 384)",
+    )
+    parser.add_argument(
+        "--task",
+        action="append",
+        default=None,
+        help="humaneval and/or gsm8k, comma-separated or repeated (default: both)",
+    )
+    parser.add_argument(
+        "--limit",
+        default=None,
+        help="first N problems of each task, or per task as humaneval=N,gsm8k=M; START:END "
+        "takes problems START to END-1, e.g. humaneval=40:100 (default: humaneval 40, gsm8k 40)",
+    )
+    parser.add_argument(
+        "--prompt-style",
+        default="auto",
+        choices=PROMPT_STYLES,
+        help="chat template or raw completion prompts (default auto: chat when the "
+        "tokenizer has a template)",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="output folder (default results/eval-<time>)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="generation cache folder (default $FLYSPEC_HOME/eval-cache)",
+    )
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    parser.add_argument(
+        "--exec-timeout",
+        type=float,
+        default=10.0,
+        help="wall-clock limit per HumanEval program, seconds (default 10)",
+    )
+    parser.add_argument(
+        "--exec-memory-mb",
+        type=int,
+        default=1024,
+        help="memory budget per HumanEval run, all its processes together (and address-space "
+        "limit of each), MiB (default 1024)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run_eval)
+    return parser
+
+
+def _split(values: list[str] | str | None) -> list[str]:
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def _numbers(text: str, kind, option: str) -> list:
+    items = _split(text)
+    if not items:
+        raise FlyspecError(f"{option} needs at least one value")
+    try:
+        return [kind(item) for item in items]
+    except ValueError:
+        raise FlyspecError(f"{option}: not a list of numbers: {text!r}") from None
+
+
+def _limits(text: str | None) -> dict[str, tuple[int, int]]:
+    """``"40"`` -> every task (0, 40); ``"humaneval=40,gsm8k=10:50"`` -> per task (key ``*`` =
+    all): the problems ``start`` to ``end - 1``."""
+    limits: dict[str, tuple[int, int]] = {}
+    for item in _split(text):
+        name, _, value = item.rpartition("=")
+        name = name.strip() or "*"
+        if name != "*" and name not in TASKS:
+            raise FlyspecError(f"--limit: unknown task {name!r}; choose from {', '.join(TASKS)}")
+        start, _, end = value.rpartition(":")
+        try:
+            bounds = (int(start or 0), int(end))
+        except ValueError:
+            raise FlyspecError(f"--limit: not a number or START:END: {value!r}") from None
+        if bounds[0] < 0 or bounds[1] <= bounds[0]:
+            raise FlyspecError(f"--limit must take at least one problem, got {value!r}")
+        limits[name] = bounds
+    return limits
+
+
+def _switches(text: str) -> list[bool]:
+    values = {"off": False, "on": True}
+    items = _split(text)
+    if not items or any(item not in values for item in items):
+        raise FlyspecError(f"--defer takes off, on or off,on, got {text!r}")
+    return [values[item] for item in items]
+
+
+def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
+    """The ``eval`` handler. ``problems`` (task name -> list of problems) replaces the
+    datasets, for tests and custom problem sets."""
+    from flyspec.evaluation.cache import default_cache_dir
+    from flyspec.evaluation.run import EvalSettings, run_evaluation
+    from flyspec.evaluation.runner import build_methods
+
+    tasks = list(dict.fromkeys(_split(args.task))) or list(TASKS)
+    modes = list(dict.fromkeys(_split(args.modes)))
+    for mode in modes:
+        if mode not in cfg.MODES:
+            raise FlyspecError(f"unknown mode {mode!r}; choose from {', '.join(cfg.MODES)}")
+    if not modes:
+        raise FlyspecError("--modes needs at least one method")
+    rules = {
+        "theta": _numbers(args.theta, float, "--theta"),
+        "window": _numbers(args.window, int, "--window"),
+        "min_ratio": _numbers(args.min_ratio, float, "--min-ratio"),
+        "max_rank": _numbers(args.max_rank, int, "--max-rank"),
+        "defer": _switches(args.defer),
+    }
+    if args.exec_timeout <= 0 or args.exec_memory_mb <= 0:
+        raise FlyspecError("--exec-timeout and --exec-memory-mb must be positive")
+    base = decode_config_from_args(
+        args,
+        mode="fly",
+        max_new_tokens=args.max_new_tokens or 1,
+        **{name: values[0] for name, values in rules.items()},
+    )
+    settings = EvalSettings(
+        tasks=tasks,
+        methods=build_methods(modes, base.fly, rules),  # every combination validated
+        limits=_limits(args.limit),
+        max_new_tokens=args.max_new_tokens,
+        prompt_style=args.prompt_style,
+        cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()),
+        exec_timeout_s=args.exec_timeout,
+        exec_memory_mb=args.exec_memory_mb,
+        progress=not args.no_progress,
+    )
+    output = args.output or Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    payload = run_evaluation(
+        settings,
+        base,
+        load_engine=lambda with_draft: load_engine(args, with_draft=with_draft),
+        output=output,
+        command=" ".join(["flyspec", *sys.argv[1:]]) if sys.argv else "flyspec eval",
+        problems=problems,
+    )
+    print((output / "eval.md").read_text(encoding="utf-8"))
+    cache = payload["cache"]
+    files = ["eval.json", "eval.md"] + [
+        payload[name] for name in ("plot", "loosening_plot") if name in payload
+    ]
+    say(
+        f"done in {payload['seconds']:.0f}s ({cache['hits']} cached, {cache['misses']} "
+        f"generated); results in {output}/ ({', '.join(files)})"
+    )
+    return 0

@@ -1,0 +1,210 @@
+"""``flyspec generate``: one prompt, streamed, with the statistics of the round."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from flyspec import config as cfg
+from flyspec.cli.options import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    load_engine,
+    say,
+)
+from flyspec.errors import FlyspecError
+
+ORIGIN_COLOURS = {
+    "exact": "\033[32m",  # green
+    "loose": "\033[33m",  # yellow
+    "correction": "\033[31m",  # red
+    "bonus": "\033[36m",  # cyan
+}
+RESET = "\033[0m"
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Add ``generate`` to the ``flyspec`` subcommands."""
+    generate = commands.add_parser(
+        "generate", help="generate text for one prompt, streamed, with statistics"
+    )
+    generate.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    add_model_arguments(generate)
+    add_decode_arguments(generate)
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    )
+    output = generate.add_mutually_exclusive_group()
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with text, token_ids and stats instead of streaming",
+    )
+    output.add_argument(
+        "--show",
+        action="store_true",
+        help="colour each token by how it was obtained (exact, loose, correction, bonus)",
+    )
+    generate.add_argument(
+        "--compare-target",
+        action="store_true",
+        help="also time the target alone on the same prompt, alternating with the chosen "
+        "method, and report the speedup (median and range) and whether the machine was busy",
+    )
+    generate.add_argument(
+        "--compare-pairs",
+        type=int,
+        default=2,
+        help="with --compare-target: timed runs of each, alternated (default 2)",
+    )
+    generate.set_defaults(handler=run_generate)
+    return generate
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    config = decode_config_from_args(args)
+    prompt = read_prompt(args.prompt)
+    if not prompt.strip():
+        raise FlyspecError("the prompt is empty")
+    if args.compare_target and args.compare_pairs < 1:
+        raise FlyspecError(f"--compare-pairs must be >= 1, got {args.compare_pairs}")
+    engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
+    prompt_ids = engine.encode(prompt, chat=args.chat)
+    comparison = None
+    if args.compare_target:
+        comparison = TargetComparison(pairs=args.compare_pairs).start(engine, prompt_ids, config)
+
+    if args.json:
+        result = engine.generate(prompt_ids, config)
+        payload = result.as_dict()
+        if comparison is not None:
+            payload.update(comparison.finish(result.stats))
+        print(json.dumps(payload, ensure_ascii=False))
+        return 0
+
+    from flyspec.stats import RequestStats
+
+    stats = RequestStats()
+    if args.show:
+        say(
+            "colours: "
+            + ", ".join(f"{colour}{origin}{RESET}" for origin, colour in ORIGIN_COLOURS.items())
+        )
+    for chunk in engine.stream(prompt_ids, config, stats=stats):
+        text = chunk.text
+        if args.show and text:
+            text = f"{ORIGIN_COLOURS[chunk.origin]}{text}{RESET}"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    say(f"[{config.mode}] {stats.summary_line()}")
+    if comparison is not None:
+        comparison.finish(stats)
+        say(comparison.line())
+    return 0
+
+
+class TargetComparison:
+    """``--compare-target``: the target alone and the chosen method timed alternately,
+    ``pairs`` times each (target, method, target, method, ...; the last method run is the
+    one shown), with what else used the CPU meanwhile.
+
+    The speedup is the median of the per-pair ratios, with their range; where the machine was
+    busy or the pairs disagree, :meth:`line` says so instead of stating one ratio as a fact.
+    """
+
+    def __init__(self, *, pairs: int) -> None:
+        from flyspec.machine import CpuMonitor
+
+        self.pairs = pairs
+        self.target: list = []  # GenerationResult of each run of the target alone
+        self.method: list = []  # RequestStats of the method, the shown run last
+        self.monitor = CpuMonitor()
+
+    def start(self, engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig):
+        """Warm up, then run every timed generation but the last (shown) one."""
+        warm_up(engine, prompt_ids, config)
+        self.monitor.start()
+        for pair in range(1, self.pairs + 1):
+            say(f"timing the target alone ({pair}/{self.pairs}) ...")
+            baseline = engine.generate(prompt_ids, config.with_updates(mode="target"))
+            say(f"target alone: {baseline.stats.summary_line()}")
+            self.target.append(baseline)
+            if pair < self.pairs:
+                say(f"timing {config.mode} ({pair}/{self.pairs}) ...")
+                self.method.append(engine.generate(prompt_ids, config).stats)
+        say(f"running {config.mode} ({self.pairs}/{self.pairs}), shown ...")
+        return self
+
+    def finish(self, shown_stats) -> dict:
+        """Record the shown run; return the figures for ``--json``."""
+        from flyspec.spread import Spread, ratio_spread
+
+        self.method.append(shown_stats)
+        self.load = self.monitor.stop()
+        method_speeds = [stats.tokens_per_second for stats in self.method]
+        target_speeds = [result.stats.tokens_per_second for result in self.target]
+        self.ratios = ratio_spread(method_speeds, target_speeds)
+        self.target_speed, self.method_speed = Spread.of(target_speeds), Spread.of(method_speeds)
+        return {
+            "baseline": self.target[-1].as_dict(),
+            "baseline_runs": [result.stats.as_dict() for result in self.target],
+            "runs": [stats.as_dict() for stats in self.method],
+            "speedup": round(self.ratios.median, 4),
+            "speedup_spread": self.ratios.as_dict(),
+            "reliable": self.reliable,
+            "machine_load": self.load.as_dict(),
+        }
+
+    @property
+    def reliable(self) -> bool:
+        return not self.load.busy and not self.ratios.unstable
+
+    def line(self) -> str:
+        """The closing line: the speedup, or why it cannot be trusted."""
+        speeds = (
+            f"{self.method_speed.median:.2f} vs {self.target_speed.median:.2f} tok/s, medians "
+            f"of {self.pairs} alternated run{'s' if self.pairs > 1 else ''} each"
+        )
+        if self.reliable:
+            return f"speedup over the target alone: {self.ratios.describe(unit='x')} ({speeds})"
+        why = []
+        if self.load.busy:
+            why.append(
+                f"the machine was busy (other processes used "
+                f"{self.load.others_cpu_fraction:.0%} of the CPU)"
+            )
+        if self.ratios.unstable:
+            why.append(
+                f"the {self.pairs} pairs disagree ({self.ratios.low:.2f}x to "
+                f"{self.ratios.high:.2f}x)"
+            )
+        return (
+            f"speedup over the target alone NOT measured reliably: {' and '.join(why)}; "
+            f"this run gave {self.ratios.low:.2f}x to {self.ratios.high:.2f}x ({speeds}). "
+            "Run again on a quiet machine, or with more --compare-pairs."
+        )
+
+
+def read_prompt(argument: str) -> str:
+    """The prompt given on the command line, or standard input's for ``-``, as UTF-8 text
+    (FlyspecError naming the first invalid byte otherwise)."""
+    source = "standard input" if argument == "-" else "the prompt"
+    data = sys.stdin.buffer.read() if argument == "-" else os.fsencode(argument)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FlyspecError(
+            f"{source} is not valid UTF-8: byte 0x{data[error.start]:02x} at offset {error.start}"
+        ) from None
+
+
+def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:
+    """A few tokens in each mode first, so one-time costs do not bias the comparison."""
+    for mode in ("target", config.mode):
+        engine.generate(prompt_ids, config.with_updates(mode=mode, max_new_tokens=2))

@@ -1,0 +1,308 @@
+"""Option groups shared by the ``flyspec`` commands, and what they turn into: the decoding
+settings (:class:`~flyspec.config.DecodeConfig`), the kernel policy
+(:class:`~flyspec.config.KernelConfig`), a loaded :class:`~flyspec.engine.Engine`, a vLLM
+engine spec.
+
+Only argparse and the config module are imported here, so that ``flyspec --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Collection
+
+from flyspec import config as cfg
+from flyspec.errors import FlyspecError
+
+EXIT_USAGE = 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"flyspec: error: {message} (see {self.prog} --help)\n")
+
+
+def number(text: str) -> float:
+    """argparse type: a float that also reads 'inf' (theta = inf switches loosening off)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def say(message: str) -> None:
+    """A progress or status line on stderr (stdout carries the command's result)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target/--draft/--device/--dtype and the CPU kernels, shared by every command that
+    loads models."""
+    parser.add_argument(
+        "--target", help="target model: folder, .gguf file or cached hub id (default: embedded)"
+    )
+    parser.add_argument(
+        "--draft", help="draft model: folder, .gguf file or cached hub id (default: embedded)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
+    defaults = cfg.KernelConfig()
+    kernels = parser.add_argument_group("CPU kernels (applied to the models after loading)")
+    kernels.add_argument(
+        "--linear",
+        default=defaults.linear,
+        choices=cfg.LINEAR_KERNELS,
+        help="float32 Linear layers on oneDNN with pre-packed weights (default), or torch's "
+        "default kernels",
+    )
+    kernels.add_argument(
+        "--draft-quant",
+        default=defaults.draft_quant,
+        choices=cfg.QUANTIZATIONS,
+        help="int8 (dynamic) or fp16 weights for the draft's Linear layers (default int8; a "
+        "draft never changes what exact SPD emits)",
+    )
+    kernels.add_argument(
+        "--target-quant",
+        default=defaults.target_quant,
+        choices=cfg.QUANTIZATIONS,
+        help="int8 or fp16 weights for the target's Linear layers (default none; int8 makes a "
+        "multi-token forward differ from one-token forwards, so spd no longer equals target)",
+    )
+    kernels.add_argument(
+        "--forward",
+        default=defaults.forward,
+        choices=cfg.FORWARD_PATHS,
+        help="lean: flyspec's own forward with a preallocated KV cache for Llama-family models "
+        "(default; other models fall back to transformers'), or transformers' model(...)",
+    )
+
+
+def kernel_config_from_args(args: argparse.Namespace) -> cfg.KernelConfig:
+    return cfg.KernelConfig(
+        linear=args.linear,
+        draft_quant=args.draft_quant,
+        target_quant=args.target_quant,
+        forward=args.forward,
+    )
+
+
+def load_engine(args: argparse.Namespace, *, with_draft: bool):
+    """Load the model pair named by --target/--draft with the chosen kernels, reporting
+    progress on stderr."""
+    import torch
+
+    from flyspec.engine import Engine
+
+    started = time.perf_counter()
+    say(f"loading models{' (target only)' if not with_draft else ''} ...")
+    engine = Engine.load(
+        target=args.target,
+        draft=args.draft,
+        with_draft=with_draft,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        kernels=kernel_config_from_args(args),
+    )
+    kernels = engine.kernels
+    say(
+        f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()}, "
+        f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
+        f"target: {kernels['target_quant']}, forward: {kernels['forward']})"
+    )
+    return engine
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """--engine and the settings of a vLLM engine (``--engine vllm``; the FLy plugin)."""
+    group = parser.add_argument_group("vLLM engine (--engine vllm)")
+    group.add_argument(
+        "--engine",
+        default="flyspec",
+        choices=("flyspec", "vllm"),
+        help="flyspec's own engine (default), or vLLM with flyspec's FLy plugin",
+    )
+    group.add_argument(
+        "--vllm-dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="vLLM's weight dtype (default auto: the checkpoint's, bfloat16 for the default pair)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs the target is split over (vLLM's --tensor-parallel-size; default 1)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="vLLM's context length per request (default 4096; it sizes the KV cache)",
+    )
+
+
+def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode: str):
+    """The vLLM engine for these arguments in ``mode`` (the embedded default pair where
+    --target/--draft are not given)."""
+    from flyspec.integrations.vllm.launch import VllmEngineSpec, require_vllm
+
+    require_vllm()
+    target, draft = args.target, args.draft
+    if target is None or (draft is None and config.drafter == "model" and mode != "target"):
+        from flyspec.models import default_pair_paths
+
+        defaults = default_pair_paths()
+        target = target or str(defaults.target)
+        draft = draft or str(defaults.draft)
+    if args.max_model_len < 1:
+        raise FlyspecError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    return VllmEngineSpec(
+        target=target,
+        draft=draft,
+        mode=mode,
+        drafter=config.drafter,
+        k=config.k,
+        fly=config.fly,
+        dtype=None if args.vllm_dtype == "auto" else args.vllm_dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=config.sampling.seed or 0,
+    )
+
+
+LOOSENING_OPTIONS = ("theta", "window", "min_ratio", "max_rank", "defer")
+"""The destinations of the FLy rule's options (``flyspec eval`` takes lists of them)."""
+
+
+def add_decode_arguments(
+    parser: argparse.ArgumentParser, *, leave_out: Collection[str] = ()
+) -> None:
+    """The decoding settings of :class:`flyspec.config.DecodeConfig`, but those whose
+    destination is in ``leave_out`` (a command that fixes them, or takes them in another form).
+    :func:`decode_config_from_args` gives the ones left out the config's defaults."""
+    options: list[tuple[tuple[str, ...], dict]] = [
+        (("--mode",), dict(default="fly", choices=cfg.MODES, help="default: fly")),
+        (("--drafter",), dict(default="model", choices=cfg.DRAFTERS, help="default: model")),
+        (
+            ("-k", "--k"),
+            dict(type=int, default=cfg.DEFAULT_K, help="draft block length (default 15)"),
+        ),
+        (
+            ("--window",),
+            dict(
+                type=int,
+                default=cfg.DEFAULT_WINDOW,
+                help="FLy deferred window W: matches needed after a loose token (default 6)",
+            ),
+        ),
+        (
+            ("--theta",),
+            dict(
+                type=number,
+                default=cfg.DEFAULT_THETA,
+                help="FLy entropy threshold (default 0.3; inf = exact)",
+            ),
+        ),
+        (
+            ("--entropy",),
+            dict(default="top3", choices=cfg.ENTROPY_KINDS, help="gate entropy (default top3)"),
+        ),
+        (
+            ("--min-ratio",),
+            dict(
+                type=number,
+                default=0.0,
+                help="plausibility floor: loosen a mismatch only where the target gives the "
+                "draft token at least this fraction of its top token's probability "
+                "(default 0: off)",
+            ),
+        ),
+        (
+            ("--max-rank",),
+            dict(
+                type=int,
+                default=0,
+                help="plausibility floor: loosen only draft tokens among the target's top N "
+                "(default 0: off)",
+            ),
+        ),
+        (
+            ("--defer",),
+            dict(
+                action="store_true",
+                help="carry a mismatch whose window does not fit in its block into the next "
+                "block (its tokens are held back until the window completes, or rolled back)",
+            ),
+        ),
+        (
+            ("--temperature",),
+            dict(type=number, default=0.0, help="target temperature (default 0: greedy)"),
+        ),
+        (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
+        (("--top-p",), dict(type=number, default=1.0, help="top-p sampling (1 = off)")),
+        (
+            ("--draft-temperature",),
+            dict(
+                type=number,
+                default=0.0,
+                help="sample the draft model at this temperature (default 0: greedy)",
+            ),
+        ),
+        (
+            ("--draft-confidence",),
+            dict(
+                type=number,
+                default=0.0,
+                help="end a draft block after a token the draft model gave a probability below "
+                "this (default 0: always draft k tokens)",
+            ),
+        ),
+        (("--seed",), dict(type=int, default=None, help="random seed for sampling")),
+        (
+            ("--max-new-tokens",),
+            dict(type=int, default=cfg.DEFAULT_MAX_NEW_TOKENS, help="default 128"),
+        ),
+        (
+            ("--stop",),
+            dict(action="append", default=[], help="stop string (repeatable), not emitted"),
+        ),
+    ]
+    for flags, settings in options:
+        if flags[-1].removeprefix("--").replace("-", "_") not in leave_out:
+            parser.add_argument(*flags, **settings)
+
+
+def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConfig:
+    """Validated settings (ConfigError on a bad value) from parsed arguments; ``fixed`` gives
+    values by destination name (``theta=1.0``) for options the command left out or overrides,
+    and an option neither parsed nor fixed keeps the config's default."""
+    values = {**vars(args), **fixed}
+    fly = {name: values[name] for name in LOOSENING_OPTIONS if name in values}
+    if "entropy" in values:
+        fly["entropy"] = values["entropy"]
+    sampling = {
+        name: values[name] for name in ("temperature", "top_k", "top_p", "seed") if name in values
+    }
+    decode = {
+        name: values[name]
+        for name in (
+            "mode",
+            "drafter",
+            "k",
+            "max_new_tokens",
+            "draft_temperature",
+            "draft_confidence",
+        )
+        if name in values
+    }
+    if "stop" in values:
+        decode["stop"] = tuple(values["stop"])
+    return cfg.DecodeConfig(
+        fly=cfg.FlyConfig(**fly), sampling=cfg.SamplingConfig(**sampling), **decode
+    )
