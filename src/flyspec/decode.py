@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.drafters import Draft, Drafter, MlaDrafter, ModelDrafter, NgramDrafter
+from flyspec.drafters import Draft, Drafter, make_drafter
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM
 from flyspec.stats import LooseToken, RequestStats, RoundStats
@@ -177,52 +177,40 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = _output_vocab_size(target)
 
-    def _drafter(self, config: DecodeConfig, generator: torch.Generator | None) -> Drafter | None:
-        if config.mode == "target":
-            return None
-        if config.drafter == "ngram":
-            return NgramDrafter(max_ngram=config.max_ngram, end_tokens=self.eos_token_ids)
-        if self.draft is None:
-            raise FlyspecError(
-                f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model"
-            )
-        if config.drafter == "mla":
-            return MlaDrafter(
-                self.draft,
-                proposals=config.mla_proposals,
-                max_ngram=config.max_ngram,
-                min_confidence=config.draft_confidence,
-                end_tokens=self.eos_token_ids,
-            )
-        return ModelDrafter(
-            self.draft,
-            temperature=config.draft_temperature,
-            generator=generator,
-            min_confidence=config.draft_confidence,
-            end_tokens=self.eos_token_ids,
-        )
-
     def stream(
         self,
         prompt_ids: Sequence[int],
         config: DecodeConfig,
         *,
         stats: RequestStats | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[TokenEvent]:
         """Yield committed tokens until ``max_new_tokens`` or EOS; never more.
 
         ``stats`` (optional) is filled in as the request runs. The caller may stop iterating at
         any time (a stop string, a disconnect); nothing past that point is computed.
+        ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of the built-in one
+        ``config.drafter`` names (not in mode ``target``, which drafts nothing).
         """
         if len(prompt_ids) == 0:
             raise FlyspecError("the prompt is empty: give at least one token")
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
+        if drafter is not None and config.mode == "target":
+            raise FlyspecError("mode 'target' drafts nothing: give a drafter with spd or fly")
         target_generator = _generator(self.target.device, config)
-        draft_generator = None
-        if self.draft is not None and config.draft_temperature > 0:
-            draft_generator = _generator(self.draft.device, config, offset=1)
-        drafter = self._drafter(config, draft_generator)
+        own_drafter = drafter is None
+        if own_drafter:
+            draft_generator = None
+            if self.draft is not None and config.draft_temperature > 0:
+                draft_generator = _generator(self.draft.device, config, offset=1)
+            drafter = make_drafter(
+                config,
+                draft_lm=self.draft,
+                end_tokens=self.eos_token_ids,
+                generator=draft_generator,
+            )
+        observe = getattr(drafter, "observe", None)
         clock = _BusyClock()
 
         self.target.reset()
@@ -233,7 +221,7 @@ class SpeculativeDecoder:
         # token together with the draft block.
         if len(prompt_ids) > 1:
             self.target.logits(progress.context[:-1])
-            if config.uses_draft_model:
+            if own_drafter and config.uses_draft_model:
                 self.draft.logits(progress.context[:-1])
         stats.prefill_seconds = clock.elapsed()
 
@@ -242,6 +230,8 @@ class SpeculativeDecoder:
                 remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
                 step = self._round(progress.context, drafter, k, config, target_generator)
+                if observe is not None and len(step.draft):
+                    observe(len(step.draft), step.verdict.num_kept)
                 events, finished = self._commit(step, progress, config, drafter, stats)
                 yield from _deliver(events, stats, clock)
                 if finished:

@@ -13,6 +13,7 @@ import torch
 
 from flyspec.config import DecodeConfig, KernelConfig
 from flyspec.decode import Origin, SpeculativeDecoder, TokenEvent
+from flyspec.drafters import Drafter
 from flyspec.errors import FlyspecError
 from flyspec.stats import RequestStats
 
@@ -226,6 +227,7 @@ class Engine:
         *,
         stats: RequestStats | None = None,
         should_stop: Callable[[], bool] | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
         ``config.max_new_tokens``.
@@ -233,6 +235,7 @@ class Engine:
         ``should_stop`` is asked after each committed token; when it answers True the request
         ends there (``stats.finish_reason`` "cancelled") and the text held back so far is
         still released, as at any end. Closing the iterator instead drops that text.
+        ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of ``config.drafter``'s.
         """
         if len(prompt_ids) + config.max_new_tokens > self.context_length:
             raise FlyspecError(
@@ -242,7 +245,9 @@ class Engine:
             )
         stats = stats if stats is not None else RequestStats()
         text = StopTextDecoder(self.tokenizer, config.stop)
-        events: Iterator[TokenEvent] = self.decoder.stream(prompt_ids, config, stats=stats)
+        events: Iterator[TokenEvent] = self.decoder.stream(
+            prompt_ids, config, stats=stats, drafter=drafter
+        )
         last: TokenEvent | None = None
         try:
             for event in events:
@@ -261,15 +266,20 @@ class Engine:
                 yield TextChunk(text=tail, token=None, origin=last.origin)
 
     def generate(
-        self, prompt: str | Sequence[int], config: DecodeConfig, *, chat: bool = False
+        self,
+        prompt: str | Sequence[int],
+        config: DecodeConfig,
+        *,
+        chat: bool = False,
+        drafter: Drafter | None = None,
     ) -> GenerationResult:
-        """Run one request to the end."""
+        """Run one request to the end (``drafter`` as in :meth:`stream`)."""
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt
         stats = RequestStats()
         pieces: list[str] = []
         token_ids: list[int] = []
         origins: list[Origin] = []
-        for chunk in self.stream(prompt_ids, config, stats=stats):
+        for chunk in self.stream(prompt_ids, config, stats=stats, drafter=drafter):
             pieces.append(chunk.text)
             if chunk.token is not None:
                 token_ids.append(chunk.token)

@@ -1,9 +1,19 @@
-"""Drafters: the draft model, prompt-lookup n-grams, and MLA (both combined)."""
+"""Drafters: the draft model, prompt-lookup n-grams, and MLA (both combined); any object that
+follows :class:`Drafter` can stand in for them."""
 
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from flyspec.config import DecodeConfig
 from flyspec.drafters.base import Draft, Drafter
 from flyspec.drafters.mla import MlaDrafter
 from flyspec.drafters.model import ModelDrafter
 from flyspec.drafters.ngram import NgramDrafter, find_ngram_continuation
+from flyspec.errors import FlyspecError
+from flyspec.models.cache import CachedLM
 
 __all__ = [
     "Draft",
@@ -12,4 +22,40 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "find_ngram_continuation",
+    "make_drafter",
 ]
+
+
+def make_drafter(
+    config: DecodeConfig,
+    *,
+    draft_lm: CachedLM | None,
+    end_tokens: Collection[int] = (),
+    generator: torch.Generator | None = None,
+) -> Drafter | None:
+    """The built-in drafter ``config.drafter`` names, with ``config``'s settings (None in mode
+    ``target``). ``draft_lm``: the draft model, which ``model`` and ``mla`` need;
+    ``generator``: the random source of a sampled draft."""
+    if config.mode == "target":
+        return None
+    if config.drafter == "ngram":
+        return NgramDrafter(max_ngram=config.max_ngram, end_tokens=end_tokens)
+    if draft_lm is None:
+        raise FlyspecError(
+            f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model"
+        )
+    if config.drafter == "mla":
+        return MlaDrafter(
+            draft_lm,
+            proposals=config.mla_proposals,
+            max_ngram=config.max_ngram,
+            min_confidence=config.draft_confidence,
+            end_tokens=end_tokens,
+        )
+    return ModelDrafter(
+        draft_lm,
+        temperature=config.draft_temperature,
+        generator=generator,
+        min_confidence=config.draft_confidence,
+        end_tokens=end_tokens,
+    )

@@ -26,7 +26,12 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Anything that proposes a continuation. May return fewer than ``k`` tokens (even none)."""
+    """Anything that proposes a continuation. May return fewer than ``k`` tokens (even none).
+
+    A drafter may also define ``observe(num_drafted: int, num_kept: int)``: the decoder then
+    tells it, after each verified block, how many of the tokens it proposed were kept (exactly
+    or loosely), e.g. to adapt how many it drafts next.
+    """
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...
 
