@@ -17,69 +17,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
-import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from flyspec.config import MAX_SEED, ConfigError, DecodeConfig, SamplingConfig
+from flyspec.config import MAX_SEED, DecodeConfig
 from flyspec.errors import FlyspecError
 from flyspec.server import protocol
 from flyspec.server.access import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
+from flyspec.server.errors import (
+    describe_validation_errors,
+    generation_failed,
+    install_error_handlers,
+    shutting_down,
+    unknown_model,
+)
 from flyspec.server.metrics import CONTENT_TYPE, ServerMetrics
+from flyspec.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from flyspec.server.protocol import (
+    CHAT,
+    CLIENT_CLOSED,
+    COMPLETIONS,
     MESSAGE_LIMIT,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     clip,
-    quote,
 )
+from flyspec.server.requests import request_config
 from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
-
-logger = logging.getLogger("flyspec.server")
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
-ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
-CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
-
-# The settings a request can set, by DecodeConfig's name -> the request field's name.
-_CONFIG_PARAMS = {
-    **{
-        name: name
-        for name in (
-            "mode",
-            "drafter",
-            "k",
-            "window",
-            "theta",
-            "entropy",
-            "min_ratio",
-            "max_rank",
-            "defer",
-            "temperature",
-            "top_k",
-            "top_p",
-            "stop",
-        )
-    },
-    "max_new_tokens": "max_tokens",
-}
 
 
 def create_app(
@@ -171,13 +146,13 @@ def create_app(
     # Starlette runs the middleware added last first: metrics see every answer, the key is
     # checked before the body is read, and the body is measured before any route runs.
     if max_body_bytes is not None:
-        app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+        app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(
-            _APIKeyMiddleware, api_key=api_key, metrics_require_key=metrics_require_key
+            APIKeyMiddleware, api_key=api_key, metrics_require_key=metrics_require_key
         )
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
-    _install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    install_error_handlers(app)
 
     @app.post(COMPLETIONS, openapi_extra=_request_body_schema(CompletionRequest, COMPLETIONS))
     async def completions(request: Request) -> Response:
@@ -194,7 +169,7 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise _unknown_model(model_id, model_name)
+            raise unknown_model(model_id, model_name)
         return _model_card(model_name, started)
 
     @app.get("/health")
@@ -288,9 +263,9 @@ class _Server:
         if text is None:
             return Response(status_code=CLIENT_CLOSED)
         if job.outcome == "error":
-            raise _generation_failed(job)
+            raise generation_failed(job)
         if job.outcome == "cancelled":
-            raise _shutting_down()
+            raise shutting_down()
         return JSONResponse(
             protocol.response_body(
                 chat=chat,
@@ -325,7 +300,7 @@ class _Server:
             param, message = unsupported
             raise APIError(400, message, param=param, code="unsupported_parameter")
         if body.model is not None and body.model != self.model_name:
-            raise _unknown_model(body.model, self.model_name)
+            raise unknown_model(body.model, self.model_name)
         if isinstance(body, ChatCompletionRequest):
             max_tokens = body.requested_max_tokens
             max_tokens_param = (
@@ -409,9 +384,9 @@ class _Server:
             else:
                 yield _sse(protocol.completion_chunk(**common, text=piece))
         if job.outcome == "error":
-            yield _sse(_generation_failed(job).body())
+            yield _sse(generation_failed(job).body())
         elif job.outcome == "cancelled":
-            yield _sse(_shutting_down().body())
+            yield _sse(shutting_down().body())
         else:
             finish_reason = job.finish_reason or "length"
             if chat:
@@ -424,49 +399,6 @@ class _Server:
             )
             yield _sse(final)
         yield "data: [DONE]\n\n"
-
-
-def request_config(
-    defaults: DecodeConfig,
-    body: CompletionRequest | ChatCompletionRequest,
-    *,
-    max_new_tokens: int,
-) -> DecodeConfig:
-    """The server defaults with the request's overrides, validated (APIError 400 if not)."""
-
-    def pick(value, default):
-        return default if value is None else value
-
-    try:
-        fly = defaults.fly
-        rule_fields = ("window", "theta", "entropy", "min_ratio", "max_rank", "defer")
-        overrides = {name: getattr(body, name) for name in rule_fields}
-        if any(value is not None for value in overrides.values()):
-            fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})
-        sampling = defaults.sampling
-        sampling = SamplingConfig(
-            temperature=pick(body.temperature, sampling.temperature),
-            top_k=pick(body.top_k, sampling.top_k),
-            top_p=pick(body.top_p, sampling.top_p),
-            seed=pick(body.seed, sampling.seed),
-        )
-        stop = body.stop_strings
-        return replace(
-            defaults,
-            mode=pick(body.mode, defaults.mode),
-            drafter=pick(body.drafter, defaults.drafter),
-            k=pick(body.k, defaults.k),
-            max_new_tokens=max_new_tokens,
-            fly=fly,
-            sampling=sampling,
-            stop=defaults.stop if stop is None else stop,
-        )
-    except ConfigError as error:
-        message = str(error)
-        param = _CONFIG_PARAMS.get(error.field)
-        raise APIError(
-            400, clip(message, MESSAGE_LIMIT), param=param, code="invalid_value"
-        ) from None
 
 
 class _JobStreamingResponse(StreamingResponse):
@@ -514,30 +446,6 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _generation_failed(job: Job) -> APIError:
-    return APIError(
-        500,
-        f"generation failed: {type(job.error).__name__}: {clip(str(job.error), MESSAGE_LIMIT)}",
-        type="server_error",
-        code="generation_failed",
-    )
-
-
-def _shutting_down() -> APIError:
-    return APIError(
-        503, "the server is shutting down", type="server_error", code="server_shutting_down"
-    )
-
-
-def _unknown_model(requested: str, served: str) -> APIError:
-    return APIError(
-        404,
-        f"the model {quote(requested)} does not exist; this server serves {served!r}",
-        param="model",
-        code="model_not_found",
-    )
-
-
 def _model_card(model_name: str, created: int) -> dict[str, Any]:
     return {"id": model_name, "object": "model", "created": created, "owned_by": "flyspec"}
 
@@ -558,280 +466,3 @@ def _version() -> str:
 
 
 # ---------------------------------------------------------------- errors
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if error.status_code in (429, 503) else None
-        return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param, code = describe_validation_errors(error.errors())
-        return JSONResponse(protocol.error_body(message, param=param, code=code), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        path = clip(request.url.path)
-        if error.status_code == 404:
-            message = f"no such endpoint: {request.method} {path}"
-        elif error.status_code == 405:
-            message = f"method {request.method} is not allowed on {path}"
-        else:
-            message = clip(str(error.detail), MESSAGE_LIMIT)
-        return JSONResponse(
-            protocol.error_body(message, code=code),
-            status_code=error.status_code,
-            headers=getattr(error, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error", exc_info=error)
-        return JSONResponse(
-            protocol.error_body(
-                f"internal error: {type(error).__name__}", type="server_error", code="internal"
-            ),
-            status_code=500,
-        )
-
-
-def describe_validation_errors(errors: Any) -> tuple[str, str | None, str | None]:
-    """``(message, param, code)`` for FastAPI's validation errors: the first error decides
-    ``param`` and ``code``; the message names every problem."""
-    errors = list(errors)
-    if not errors:
-        return "invalid request", None, "invalid_value"
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        position = first.get("loc", (None, None))[-1]
-        return (
-            f"the request body is not valid JSON ({detail} at character {position})",
-            None,
-            "invalid_json",
-        )
-    messages: list[str] = []
-    params: list[str] = []
-    codes: list[str] = []
-    for error in errors:
-        loc = [part for part in error.get("loc", ()) if part != "body"]
-        # Drop union branch names such as 'str' / 'list[str]' that pydantic adds to locations.
-        loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
-        param = ".".join(clip(str(p)) for p in loc) or None
-        kind = error.get("type")
-        text = clip(
-            str(error.get("msg", "invalid value")).removeprefix("Value error, "), MESSAGE_LIMIT
-        )
-        code = "invalid_type" if str(kind).endswith("_type") else "invalid_value"
-        if kind == "missing":
-            code = "missing_required_parameter"
-            entry = f"{param}: required field is missing" if param else "a JSON body is required"
-        elif kind == "extra_forbidden":
-            code = "unknown_parameter"
-            entry = f"unrecognized request argument supplied: {param}"
-        elif kind == "model_attributes_type" and param is None:
-            entry = "the request body must be a JSON object"
-        elif param and not text.startswith(f"{param} "):
-            entry = f"{param}: {text}"
-        else:
-            entry = text
-        if entry not in messages:
-            messages.append(entry)
-        if param and param not in params:
-            params.append(param)
-        codes.append(code)
-    return "; ".join(messages), (params[0] if params else None), codes[0]
-
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
-
-
-# ---------------------------------------------------------------- metrics middleware
-
-
-class _MetricsMiddleware:
-    """Counts every answered request by endpoint and status; times generation requests."""
-
-    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-        if path.startswith("/v1/models/"):
-            endpoint = "/v1/models"
-        started = time.perf_counter()
-        status = 500
-        disconnected = False
-        completed = False
-
-        async def send_status(message: Message) -> None:
-            nonlocal status, completed
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                completed = True
-            await send(message)
-
-        async def receive_watch() -> Message:
-            nonlocal disconnected
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                disconnected = True
-            return message
-
-        try:
-            await self.app(scope, receive_watch, send_status)
-        finally:
-            if disconnected and not completed and status == 200:
-                status = CLIENT_CLOSED  # a stream the client left before its end
-            seconds = time.perf_counter() - started if path in GENERATION_ENDPOINTS else None
-            if seconds is not None and not math.isfinite(seconds):
-                seconds = None
-            self.metrics.observe_request(endpoint, status, seconds)
-
-
-# ---------------------------------------------------------------- key and size middlewares
-
-
-async def _send_error(
-    send: Send, error: APIError, *, headers: tuple[tuple[bytes, bytes], ...] = ()
-) -> None:
-    """Answer ``error`` straight over ASGI (before any route has run)."""
-    body = json.dumps(error.body()).encode("utf-8")
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status_code,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode("ascii")),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-class _APIKeyMiddleware:
-    """Answers 401 unless ``Authorization: Bearer <key>`` carries the key, on every ``/v1``
-    path (unknown ones too, so nothing is learnt without the key) and, when asked, on
-    ``/metrics``. The key is compared in constant time."""
-
-    def __init__(self, app: ASGIApp, *, api_key: str, metrics_require_key: bool) -> None:
-        self.app = app
-        self.key = api_key.encode("utf-8")
-        self.metrics_require_key = metrics_require_key
-
-    def protects(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
-            return True
-        return self.metrics_require_key and path == "/metrics"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.protects(scope.get("path", "")):
-            await self.app(scope, receive, send)
-            return
-        supplied = _bearer_token(scope)
-        if supplied is not None and hmac.compare_digest(supplied, self.key):
-            await self.app(scope, receive, send)
-            return
-        message = (
-            "no API key: send it as 'Authorization: Bearer <key>'"
-            if supplied is None
-            else "incorrect API key provided"
-        )
-        await _send_error(
-            send,
-            APIError(401, message, code="invalid_api_key"),
-            headers=((b"www-authenticate", b"Bearer"),),
-        )
-
-
-def _bearer_token(scope: Scope) -> bytes | None:
-    """The token of the request's ``Authorization: Bearer ...`` header, or None."""
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-            return None
-    return None
-
-
-class _BodyLimitMiddleware:
-    """Answers 413 for a request body over ``max_body_bytes``: at once from its
-    Content-Length, else (chunked) as soon as the bytes received pass the limit.
-
-    The body is read here in full before the app runs, then handed on in one message; what
-    the client sends after it (a disconnect) passes through unchanged. The 413 does not ask
-    to close the connection: uvicorn then reads and drops the rest of the body, so the client,
-    still sending, gets the answer instead of a reset connection.
-    """
-
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    def too_large(self, size: int | None) -> APIError:
-        """The 413: ``size`` is the declared Content-Length, None for a chunked body."""
-        limit = f"this server's limit of {self.max_body_bytes} bytes"
-        told = f"has {size} bytes, more than {limit}" if size is not None else f"exceeds {limit}"
-        return APIError(
-            413,
-            f"the request body {told} (flyspec serve --max-body-bytes)",
-            code="request_too_large",
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await _send_error(send, self.too_large(declared))
-            return
-        chunks: list[bytes] = []
-        size = 0
-        last: Message | None = None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                last = message  # the client left while sending
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await _send_error(send, self.too_large(None))
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        first: Message = last or {"type": "http.request", "body": b"".join(chunks)}
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None

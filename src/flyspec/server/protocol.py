@@ -28,6 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flyspec.stats import RequestStats
 
 FinishReason = Literal["stop", "length"]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
+ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+
 ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
 MESSAGE_LIMIT = 300  # characters of an error message built around a client's value
 

@@ -1,0 +1,80 @@
+"""A request's decoding settings: the server's defaults with the fields the request sets."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flyspec.config import ConfigError, DecodeConfig, SamplingConfig
+from flyspec.server.protocol import (
+    MESSAGE_LIMIT,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    clip,
+)
+
+# The settings a request can set, by DecodeConfig's name -> the request field's name.
+_CONFIG_PARAMS = {
+    **{
+        name: name
+        for name in (
+            "mode",
+            "drafter",
+            "k",
+            "window",
+            "theta",
+            "entropy",
+            "min_ratio",
+            "max_rank",
+            "defer",
+            "temperature",
+            "top_k",
+            "top_p",
+            "stop",
+        )
+    },
+    "max_new_tokens": "max_tokens",
+}
+
+
+def request_config(
+    defaults: DecodeConfig,
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_new_tokens: int,
+) -> DecodeConfig:
+    """The server defaults with the request's overrides, validated (APIError 400 if not)."""
+
+    def pick(value, default):
+        return default if value is None else value
+
+    try:
+        fly = defaults.fly
+        rule_fields = ("window", "theta", "entropy", "min_ratio", "max_rank", "defer")
+        overrides = {name: getattr(body, name) for name in rule_fields}
+        if any(value is not None for value in overrides.values()):
+            fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})
+        sampling = defaults.sampling
+        sampling = SamplingConfig(
+            temperature=pick(body.temperature, sampling.temperature),
+            top_k=pick(body.top_k, sampling.top_k),
+            top_p=pick(body.top_p, sampling.top_p),
+            seed=pick(body.seed, sampling.seed),
+        )
+        stop = body.stop_strings
+        return replace(
+            defaults,
+            mode=pick(body.mode, defaults.mode),
+            drafter=pick(body.drafter, defaults.drafter),
+            k=pick(body.k, defaults.k),
+            max_new_tokens=max_new_tokens,
+            fly=fly,
+            sampling=sampling,
+            stop=defaults.stop if stop is None else stop,
+        )
+    except ConfigError as error:
+        message = str(error)
+        param = _CONFIG_PARAMS.get(error.field)
+        raise APIError(
+            400, clip(message, MESSAGE_LIMIT), param=param, code="invalid_value"
+        ) from None
