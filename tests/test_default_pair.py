@@ -23,15 +23,18 @@ from flyspec.models import default_pair as dp
 from flyspec.models.default_pair import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
-    LOCK_NAME,
-    MARKER_NAME,
     DefaultModel,
-    assemble_gguf,
-    check_free_space,
     default_pair_paths,
     is_default_pair_installed,
     is_model_installed,
     pull_default_pair,
+)
+from flyspec.models.home import flyspec_home
+from flyspec.models.mirror import (
+    LOCK_NAME,
+    MARKER_NAME,
+    assemble_gguf,
+    check_free_space,
     pull_models,
     required_free_bytes,
 )
@@ -143,10 +146,10 @@ def test_default_table() -> None:
 
 def test_home_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLYSPEC_HOME", str(tmp_path / "env"))
-    assert dp.flyspec_home() == tmp_path / "env"
-    assert dp.flyspec_home(tmp_path / "arg") == tmp_path / "arg"
+    assert flyspec_home() == tmp_path / "env"
+    assert flyspec_home(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("FLYSPEC_HOME")
-    assert dp.flyspec_home() == Path.home() / ".cache" / "flyspec"
+    assert flyspec_home() == Path.home() / ".cache" / "flyspec"
 
 
 # --- assembly ----------------------------------------------------------------------------------

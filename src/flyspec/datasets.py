@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
-from flyspec.models.default_pair import flyspec_home
+from flyspec.models.home import flyspec_home
 from flyspec.packages import pip_install_into
 
 

@@ -45,7 +45,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
 def default_cache_dir() -> Path:
-    from flyspec.models.default_pair import flyspec_home
+    from flyspec.models.home import flyspec_home
 
     return flyspec_home() / "eval-cache"
 

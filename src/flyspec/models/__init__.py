@@ -6,10 +6,10 @@ from flyspec.models.default_pair import (
     DefaultModel,
     DefaultPair,
     default_pair_paths,
-    flyspec_home,
     is_default_pair_installed,
     pull_default_pair,
 )
+from flyspec.models.home import flyspec_home
 from flyspec.models.loading import (
     check_same_tokenizer,
     load_causal_lm,
