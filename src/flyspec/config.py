@@ -291,8 +291,8 @@ class DecodeConfig:
         return self.mode != "target" and self.drafter in ("model", "mla")
 
     @property
-    def loosening(self) -> FlyConfig | None:
-        """The FLy rule in force, or None for lossless decoding."""
+    def fly_in_force(self) -> FlyConfig | None:
+        """``fly`` where it applies (mode fly, theta finite), else None: lossless decoding."""
         if self.mode != "fly" or math.isinf(self.fly.theta):
             return None
         return self.fly

@@ -418,7 +418,8 @@ class SpeculativeDecoder:
         target_logits = self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
         draft_tokens = draft.tokens.to(target_logits.device)
         if config.sampling.greedy:
-            return verify_greedy(draft_tokens, target_logits, fly=config.loosening), target_logits
+            verdict = verify_greedy(draft_tokens, target_logits, fly=config.fly_in_force)
+            return verdict, target_logits
         target_probs = sampling_probs(target_logits, config.sampling)
         draft_probs = draft.probs
         if draft_probs is not None:
@@ -427,7 +428,7 @@ class SpeculativeDecoder:
             draft_tokens,
             draft_probs,
             target_probs,
-            fly=config.loosening,
+            fly=config.fly_in_force,
             target_logits=target_logits,
             generator=generator,
         )

@@ -83,7 +83,7 @@ class SampleRun:
     stats: RequestStats | None = None
 
 
-class Method(Protocol):
+class BenchMethod(Protocol):
     name: str
     settings: dict
 
@@ -219,7 +219,7 @@ class HfMethod:
         return SampleRun(_cut_at_eos(new_tokens, self.eos_token_ids), seconds)
 
 
-def make_method(name: str, engine, config: DecodeConfig) -> Method:
+def make_method(name: str, engine, config: DecodeConfig) -> BenchMethod:
     if name in FLYSPEC_METHODS:
         return FlyspecMethod(name, engine, config)
     if name in HF_METHODS:

@@ -78,7 +78,7 @@ def decoding_identity(config: DecodeConfig) -> dict:
             settings.pop(name)
         settings.pop("draft_confidence", None)
     else:
-        if config.loosening is None:
+        if config.fly_in_force is None:
             settings.pop("fly")
         else:  # keys made before the rules beyond the paper existed stay valid
             paper = FlyConfig()
@@ -110,7 +110,7 @@ def reusable(entry: dict, config: DecodeConfig) -> bool:
     if entry.get("finish_reason") in (None, "length"):
         return False
     emitted = len(entry.get("token_ids", ()))
-    margin = 0 if config.loosening is None else config.k + 1
+    margin = 0 if config.fly_in_force is None else config.k + 1
     return emitted + margin < min(old_budget, config.max_new_tokens)
 
 

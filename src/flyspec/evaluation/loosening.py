@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from flyspec.evaluation.runner import Method, Sample
+from flyspec.evaluation.runner import EvalMethod, Sample
 
 FEATURES = ("entropy", "draft_prob", "ratio", "rank", "position")
 OUTCOMES = ("lost", "unchanged", "gained")
@@ -36,7 +36,7 @@ def _outcome(sample: Sample, target: Sample | None) -> str | None:
 
 
 def analyse(
-    samples: Sequence[Sample], methods: Sequence[Method], task_names: Sequence[str]
+    samples: Sequence[Sample], methods: Sequence[EvalMethod], task_names: Sequence[str]
 ) -> dict:
     """Per task and FLy method: the loose-token records, feature summaries per outcome, and
     the floor table. Methods without loose tokens are left out."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flyspec.evaluation import loosening
-from flyspec.evaluation.runner import Method, Sample
+from flyspec.evaluation.runner import EvalMethod, Sample
 from flyspec.stats import mean_speedup
 
 Z_95 = 1.959963984540054
@@ -71,7 +71,7 @@ def paired_bootstrap_recovery(
 
 
 def summarize(
-    samples: Sequence[Sample], methods: Sequence[Method], task_names: Sequence[str]
+    samples: Sequence[Sample], methods: Sequence[EvalMethod], task_names: Sequence[str]
 ) -> dict:
     """Per task, per method: score, interval, recovery, speedup, tau, changed outcomes."""
     tasks: dict[str, dict] = {}
@@ -90,7 +90,7 @@ def summarize(
     return tasks
 
 
-def _method_summary(method: Method, rows: dict[str, Sample], target: dict[str, Sample] | None):
+def _method_summary(method: EvalMethod, rows: dict[str, Sample], target: dict[str, Sample] | None):
     n = len(rows)
     correct = sum(s.outcome.correct for s in rows.values())
     low, high = wilson_interval(correct, n)

@@ -14,7 +14,7 @@ from flyspec.config import DecodeConfig
 from flyspec.errors import FlyspecError
 
 if TYPE_CHECKING:
-    from flyspec.evaluation.runner import Method
+    from flyspec.evaluation.runner import EvalMethod
 
 TASKS = ("humaneval", "gsm8k")
 PROMPT_STYLES = ("auto", "chat", "raw")
@@ -31,7 +31,7 @@ class EvalSettings:
     """
 
     tasks: Sequence[str]
-    methods: Sequence[Method]
+    methods: Sequence[EvalMethod]
     limits: Mapping[str, tuple[int, int]]
     max_new_tokens: int | None = None
     prompt_style: str = "auto"

@@ -20,7 +20,7 @@ from flyspec.stats import RequestStats
 
 
 @dataclass(frozen=True)
-class Method:
+class EvalMethod:
     """One way of decoding: the target alone, exact SPD, or FLy with one rule (``fly``: the
     paper's gate and window, and the optional rules beyond it)."""
 
@@ -80,7 +80,7 @@ def fly_name(fly: FlyConfig) -> str:
 
 def build_methods(
     modes: Sequence[str], base: FlyConfig, rules: Mapping[str, Sequence] | None = None
-) -> list[Method]:
+) -> list[EvalMethod]:
     """``target``, ``spd`` and one ``fly`` method per combination of the FLy settings in
     ``rules`` (field of :class:`FlyConfig` -> values; the others from ``base``): named ``fly``
     when there is only one combination, else by :func:`fly_name`."""
@@ -89,13 +89,13 @@ def build_methods(
         replace(base, **dict(zip(rules, values, strict=True)))
         for values in itertools.product(*rules.values())
     ]
-    methods: list[Method] = []
+    methods: list[EvalMethod] = []
     for mode in dict.fromkeys(modes):
         if mode in ("target", "spd"):
-            methods.append(Method(mode, mode))
+            methods.append(EvalMethod(mode, mode))
             continue
         for fly in combos:
-            methods.append(Method("fly" if len(combos) == 1 else fly_name(fly), "fly", fly))
+            methods.append(EvalMethod("fly" if len(combos) == 1 else fly_name(fly), "fly", fly))
     return methods
 
 
@@ -176,7 +176,7 @@ ProgressHook = Callable[[Sample], None]
 def evaluate(
     engine,
     runs: Sequence[TaskRun],
-    methods: Sequence[Method],
+    methods: Sequence[EvalMethod],
     base: DecodeConfig,
     *,
     cache: GenerationCache,

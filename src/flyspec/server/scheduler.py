@@ -32,7 +32,7 @@ from flyspec.stats import RequestStats
 
 logger = logging.getLogger("flyspec.server")
 
-Outcome = str  # "stop" | "length" | "timeout" | "cancelled" | "error"
+JobOutcome = str  # "stop" | "length" | "timeout" | "cancelled" | "error"
 
 
 class QueueFullError(Exception):
@@ -57,10 +57,10 @@ class Job:
         self.deadline = deadline
         self.stats = RequestStats()
         self.state = "waiting"  # waiting -> running -> done
-        self.outcome: Outcome | None = None
+        self.outcome: JobOutcome | None = None
         self.error: BaseException | None = None
         self.completion_tokens = 0
-        self.stop_requested: Outcome | None = None
+        self.stop_requested: JobOutcome | None = None
         self._stop_event = threading.Event()
         self._events: asyncio.Queue[str | _End] = asyncio.Queue()
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -100,7 +100,7 @@ class Job:
         return self._stop_event.is_set()
 
     # Called on the event loop.
-    def _request_stop(self, reason: Outcome) -> None:
+    def _request_stop(self, reason: JobOutcome) -> None:
         if self.stop_requested is None:
             self.stop_requested = reason
         self._stop_event.set()
@@ -108,7 +108,7 @@ class Job:
     def _push(self, piece: str) -> None:
         self._events.put_nowait(piece)
 
-    def _end(self, outcome: Outcome, error: BaseException | None = None) -> None:
+    def _end(self, outcome: JobOutcome, error: BaseException | None = None) -> None:
         if self.done:
             return
         self.state = "done"
@@ -211,7 +211,7 @@ class GenerationQueue:
     def _on_deadline(self, job: Job) -> None:
         self._stop(job, "timeout")
 
-    def _stop(self, job: Job, reason: Outcome) -> None:
+    def _stop(self, job: Job, reason: JobOutcome) -> None:
         if job.done:
             return
         if job.state == "waiting":
@@ -221,7 +221,7 @@ class GenerationQueue:
         else:
             job._request_stop(reason)
 
-    def _finish(self, job: Job, outcome: Outcome, error: BaseException | None = None) -> None:
+    def _finish(self, job: Job, outcome: JobOutcome, error: BaseException | None = None) -> None:
         if job.done:
             return
         job._end(outcome, error)
@@ -253,7 +253,7 @@ class GenerationQueue:
 
     def _generate(
         self, job: Job, loop: asyncio.AbstractEventLoop
-    ) -> tuple[Outcome, BaseException | None]:
+    ) -> tuple[JobOutcome, BaseException | None]:
         """Run on the engine thread: iterate the engine, hand text to the loop, obey stops."""
         if job._should_stop():
             return job.stop_requested or "cancelled", None
