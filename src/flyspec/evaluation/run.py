@@ -41,13 +41,11 @@ class EvalSettings:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        unknown = [name for name in self.tasks if name not in TASKS]
-        if unknown or not self.tasks:
-            raise FlyspecError(
-                f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}"
-                if unknown
-                else "no task to evaluate"
-            )
+        if not self.tasks:
+            raise FlyspecError("no task to evaluate")
+        for name in self.tasks:
+            if name not in TASKS:
+                raise FlyspecError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
         if not self.methods:
             raise FlyspecError("no method to evaluate")
         if self.prompt_style not in PROMPT_STYLES:
