@@ -9,32 +9,42 @@ from flyspec.config import DecodeConfig
 
 pytestmark = pytest.mark.e2e
 
-PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+# Two prompts on which FLy loosens tokens with the default kernels (int8 draft): one alone
+# would leave the test to the rounding of one CPU's kernels.
+PROMPTS = (
+    "Write a Python function that reverses the words of a sentence.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+)
 MAX_NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
 def results(default_engine):
-    prompt_ids = default_engine.encode(PROMPT, chat=True)
-    return {
-        mode: default_engine.generate(
-            prompt_ids, DecodeConfig(mode=mode, max_new_tokens=MAX_NEW_TOKENS)
-        )
-        for mode in ("target", "spd", "fly")
-    }
+    return [
+        {
+            mode: default_engine.generate(
+                default_engine.encode(prompt, chat=True),
+                DecodeConfig(mode=mode, max_new_tokens=MAX_NEW_TOKENS),
+            )
+            for mode in ("target", "spd", "fly")
+        }
+        for prompt in PROMPTS
+    ]
 
 
 def test_spd_equals_the_target_token_for_token(results):
-    assert len(results["target"].token_ids) == MAX_NEW_TOKENS
-    assert results["spd"].token_ids == results["target"].token_ids
-    assert results["spd"].stats.loosely_accepted == 0
+    for result in results:
+        assert len(result["target"].token_ids) == MAX_NEW_TOKENS
+        assert result["spd"].token_ids == result["target"].token_ids
+        assert result["spd"].stats.loosely_accepted == 0
 
 
 def test_fly_keeps_mismatches_loosely_and_raises_tau(results):
-    fly, spd = results["fly"].stats, results["spd"].stats
-    assert fly.loosely_accepted > 0
-    assert fly.tau > spd.tau
-    assert "def " in results["fly"].text  # still an answer to the question
+    assert sum(result["fly"].stats.loosely_accepted for result in results) > 0
+    fly_rounds = sum(result["fly"].stats.num_rounds for result in results)
+    spd_rounds = sum(result["spd"].stats.num_rounds for result in results)
+    assert fly_rounds < spd_rounds  # the same number of tokens in fewer rounds: a higher tau
+    assert all("def " in result["fly"].text for result in results)  # still answers
 
 
 def test_the_library_gives_the_commands_tokens(results, capsys):
@@ -45,9 +55,15 @@ def test_the_library_gives_the_commands_tokens(results, capsys):
 
     from flyspec.cli import main
 
-    assert results["fly"].stats.loosely_accepted > 0  # the draft's numbers mattered
-    command = ["generate", "--json", "--chat", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS)]
+    loosened = [
+        (prompt, result["fly"])
+        for prompt, result in zip(PROMPTS, results, strict=True)
+        if result["fly"].stats.loosely_accepted > 0  # the draft's numbers mattered
+    ]
+    assert loosened
+    prompt, fly = loosened[0]
+    command = ["generate", "--json", "--chat", prompt, "--max-new-tokens", str(MAX_NEW_TOKENS)]
     assert main(command) == 0
     gc.collect()  # the command's own copy of the pair
     printed = json.loads(capsys.readouterr().out)
-    assert printed["token_ids"] == results["fly"].token_ids
+    assert printed["token_ids"] == fly.token_ids
