@@ -3,6 +3,7 @@ tiny random pair (fast; no dataset packages needed: problems are injected)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -409,6 +410,7 @@ def test_eval_end_to_end_on_tiny_models_with_cache(
 
 def test_cache_entries_are_atomic_json(tmp_path):
     from flyspec.config import DecodeConfig, FlyConfig
+    from flyspec.decode import DECODER_REVISION
     from flyspec.evaluation.cache import GenerationCache, decoding_identity, generation_key
 
     common = {"task_version": "v", "prompt_ids": [1, 2], "target": {"p": 1}, "draft": {"p": 2}}
@@ -424,12 +426,12 @@ def test_cache_entries_are_atomic_json(tmp_path):
         config=DecodeConfig(mode="target", k=3, fly=FlyConfig(window=0)),
         **{**common, "draft": {"p": 3}},
     )
-    # a new setting at its default leaves the keys made before it existed unchanged
-    assert "draft_confidence" not in decoding_identity(DecodeConfig(mode="fly"))
+    # every setting that can change the text is in the key, with the decoder's revision
     assert fly != generation_key(config=DecodeConfig(mode="fly", draft_confidence=0.4), **common)
     assert target == generation_key(
         config=DecodeConfig(mode="target", draft_confidence=0.4), **common
     )
+    assert decoding_identity(DecodeConfig(mode="fly"))["decoder_revision"] == DECODER_REVISION
     # kernels change rounding, so they are part of the key; the draft's only where it drafts
     kernels = {"forward": "lean", "draft_quant": "int8", "draft_forward": "lean"}
     fly_lean = generation_key(config=DecodeConfig(mode="fly"), kernels=kernels, **common)
@@ -485,6 +487,10 @@ def test_cached_generation_reuse_across_token_budgets():
     assert not reusable(entry(250, 240 + 15), DecodeConfig(mode="target", max_new_tokens=250))
     assert reusable(entry(250, 320), fly)  # 250 + 16 < 320
     assert not reusable(entry(310, 320), fly)  # the last blocks were shortened
+    deferring = DecodeConfig(mode="fly", k=15, max_new_tokens=384, fly=FlyConfig(defer=True))
+    assert reusable(entry(250, 320), deferring)  # 250 + 32 < 320
+    assert not reusable(entry(290, 320), deferring)  # held tokens and the next block
+    assert reusable(entry(310, 320), DecodeConfig(mode="spd", max_new_tokens=384))
     sampled = DecodeConfig(mode="fly", max_new_tokens=384, sampling=SamplingConfig(temperature=1))
     assert not reusable(entry(10, 320), sampled)
 
@@ -583,12 +589,15 @@ def test_loosening_analysis_joins_loose_tokens_with_outcomes(tmp_path):
     assert loosening.analyse(samples[:1], methods, ["gsm8k"]) == {}
 
 
-def test_cache_keys_of_the_papers_rule_do_not_name_the_rules_beyond_it():
+def test_cache_keys_name_every_setting_the_mode_reads():
     from flyspec.config import DecodeConfig
     from flyspec.evaluation.cache import decoding_identity
 
-    paper = decoding_identity(DecodeConfig(mode="fly"))["fly"]
-    assert sorted(paper) == ["entropy", "theta", "window"]
-    beyond = decoding_identity(DecodeConfig(mode="fly", fly=FlyConfig(min_ratio=0.1, defer=True)))
-    assert beyond["fly"]["min_ratio"] == 0.1 and beyond["fly"]["defer"] is True
-    assert "max_rank" not in beyond["fly"]
+    fly = decoding_identity(DecodeConfig(mode="fly", fly=FlyConfig(min_ratio=0.1, defer=True)))
+    assert fly["fly"] == dataclasses.asdict(FlyConfig(min_ratio=0.1, defer=True))
+    assert {"drafter", "k", "draft_confidence", "max_ngram"} <= set(fly)
+    assert "max_new_tokens" not in fly
+    assert "fly" not in decoding_identity(DecodeConfig(mode="spd"))
+    target = decoding_identity(DecodeConfig(mode="target"))
+    assert not {"fly", "k", "drafter", "draft_confidence", "max_ngram"} & set(target)
+    assert {"sampling", "stop", "mode", "decoder_revision"} <= set(target)

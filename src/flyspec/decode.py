@@ -7,14 +7,22 @@ exactly the rejected part of the last block.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 
 from flyspec.config import DecodeConfig
+from flyspec.decode_state import (
+    BusyClock,
+    Held,
+    Origin,
+    Progress,
+    Round,
+    TokenEvent,
+    deliver,
+)
 from flyspec.drafters import Draft, Drafter, make_drafter
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM
@@ -27,133 +35,49 @@ from flyspec.verify import (
     verify_sampling,
 )
 
-Origin = Literal["exact", "loose", "correction", "bonus"]
-"""How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,
-the target's correction at the cut, or the target's bonus token after a fully kept block (with
-the target alone every token is a bonus of an empty block)."""
+__all__ = [
+    "DECODER_REVISION",
+    "Origin",
+    "SpeculativeDecoder",
+    "TokenEvent",
+    "budget_margin",
+    "text_settings",
+]
+
+DECODER_REVISION = 1
+"""The revision of what the decoder emits. Bump it with every change that can alter the
+tokens emitted for some :class:`DecodeConfig` (verification, drafting, where blocks are cut
+near the budget or an end-of-sequence token): caches of generated text key on it, so no
+cached text outlives the code that produced it."""
+
+_SPECULATION_SETTINGS = ("drafter", "k", "fly", "draft_temperature", "draft_confidence")
+_DRAFTING_SETTINGS = ("max_ngram", "mla_proposals")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """One committed token, yielded as soon as its round is verified."""
-
-    token: int
-    origin: Origin
-    round_index: int
-
-    @property
-    def from_draft(self) -> bool:
-        return self.origin in ("exact", "loose")
-
-
-class _BusyClock:
-    """Time spent inside the generator, excluding the caller's time between two yields."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.paused = 0.0
-        self._pause_start: float | None = None
-
-    def pause(self) -> None:
-        self._pause_start = time.perf_counter()
-
-    def resume(self) -> None:
-        if self._pause_start is not None:
-            self.paused += time.perf_counter() - self._pause_start
-            self._pause_start = None
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.paused
+def text_settings(config: DecodeConfig) -> dict:
+    """The settings of ``config`` that the emitted tokens depend on, as plain data: all of
+    them but the token budget (see :func:`budget_margin`), less those the mode ignores (the
+    target alone drafts nothing; exact speculative decoding has no FLy rule)."""
+    settings = dataclasses.asdict(config)
+    settings.pop("max_new_tokens")
+    settings["stop"] = list(config.stop)
+    if config.mode == "target":
+        for name in _SPECULATION_SETTINGS + _DRAFTING_SETTINGS:
+            settings.pop(name)
+    elif config.fly_in_force is None:
+        settings.pop("fly")
+    return settings
 
 
-@dataclass(frozen=True)
-class _Held:
-    """Tokens kept tentatively after a deferred mismatch (``FlyConfig.defer``): already in
-    the context, not yet emitted; the next block confirms them or rolls them back to the
-    target's ``correction``. ``round_slot`` indexes the deferring round's statistics."""
-
-    tokens: list[int]  # the mismatched draft token, the exact matches after it, the bonus
-    origins: list[Origin]
-    need: int
-    correction: int
-    round_index: int
-    round_slot: int
-    loose_token: LooseToken
-
-    def resolve(
-        self, confirmed: bool, stats: RequestStats, *, eos_token_ids: Collection[int]
-    ) -> list[tuple[TokenEvent, int]]:
-        """Settle the deferring round's statistics; the events it now emits: the held tokens
-        when ``confirmed``, else the correction (none when that ends the request)."""
-        before = stats.rounds[self.round_slot]
-        if confirmed:
-            stats.rounds[self.round_slot] = replace(
-                before,
-                accepted=before.accepted + len(self.tokens) - 2,
-                loosely_accepted=before.loosely_accepted + 1,
-                emitted=before.emitted + len(self.tokens),
-                deferral="confirmed",
-                loose_tokens=(*before.loose_tokens, self.loose_token),
-            )
-            pairs = zip(self.tokens, self.origins, strict=True)
-            return [(self._event(token, origin), self.round_slot) for token, origin in pairs]
-        ends = self.correction in eos_token_ids
-        stats.rounds[self.round_slot] = replace(
-            before,
-            emitted=before.emitted + (not ends),
-            ended_by_eos=ends,
-            deferral="rolled_back",
-        )
-        return [] if ends else [(self._event(self.correction, "correction"), self.round_slot)]
-
-    def _event(self, token: int, origin: Origin) -> TokenEvent:
-        return TokenEvent(token=token, origin=origin, round_index=self.round_index)
-
-
-@dataclass
-class _Progress:
-    """A request's state between rounds: the context (prompt, emitted and held tokens), how
-    many tokens were emitted, the tokens held for a deferred window, the round's index."""
-
-    context: list[int]
-    produced: int = 0
-    held: _Held | None = None
-    round_index: int = 0
-
-    @property
-    def held_length(self) -> int:
-        return 0 if self.held is None else len(self.held.tokens)
-
-
-@dataclass(frozen=True)
-class _Round:
-    """One round's draft, its verdict and the target's ``[K+1, V]`` logits, with timings."""
-
-    draft: Draft
-    verdict: Verdict
-    target_logits: torch.Tensor
-    draft_seconds: float
-    verify_seconds: float
-
-
-def _deliver(
-    events: Sequence[tuple[TokenEvent, int]], stats: RequestStats, clock: _BusyClock
-) -> Iterator[TokenEvent]:
-    """Yield a round's events (each with the index of the round statistics it counts in);
-    when the caller stops early, the tokens it never received are taken off their rounds'
-    ``emitted``."""
-    for delivered, (event, _) in enumerate(events, start=1):
-        clock.pause()
-        try:
-            yield event
-        except GeneratorExit:
-            for _, slot in events[delivered:]:
-                stats.rounds[slot] = replace(
-                    stats.rounds[slot], emitted=stats.rounds[slot].emitted - 1
-                )
-            stats.finish_reason = "cancelled"
-            raise
-        clock.resume()
+def budget_margin(config: DecodeConfig) -> int:
+    """How far before the token budget a greedy request must have ended for its tokens not to
+    depend on the budget: 0 for the target alone and exact speculative decoding (the target's
+    greedy tokens whatever the blocks); ``k + 1`` for FLy, whose last blocks are shortened to
+    fit the budget, which changes where a window fits; twice that with deferral, whose held
+    tokens and next block must fit as well."""
+    if config.fly_in_force is None:
+        return 0
+    return (config.k + 1) * (2 if config.fly_in_force.defer else 1)
 
 
 class SpeculativeDecoder:
@@ -211,12 +135,12 @@ class SpeculativeDecoder:
                 generator=draft_generator,
             )
         observe = getattr(drafter, "observe", None)
-        clock = _BusyClock()
+        clock = BusyClock()
 
         self.target.reset()
         if drafter is not None:
             drafter.reset()
-        progress = _Progress(context=list(prompt_ids))
+        progress = Progress(context=list(prompt_ids))
         # Prefill everything but the last prompt token: each round feeds the last committed
         # token together with the draft block.
         if len(prompt_ids) > 1:
@@ -233,7 +157,7 @@ class SpeculativeDecoder:
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
                 events, finished = self._commit(step, progress, config, drafter, stats)
-                yield from _deliver(events, stats, clock)
+                yield from deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
                     return
@@ -250,13 +174,13 @@ class SpeculativeDecoder:
         k: int,
         config: DecodeConfig,
         generator: torch.Generator | None,
-    ) -> _Round:
+    ) -> Round:
         """Draft up to ``k`` tokens after ``context`` and verify them in one target forward."""
         round_start = time.perf_counter()
         draft = drafter.propose(context, k) if k > 0 else Draft.empty()
         draft_done = time.perf_counter()
         verdict, target_logits = self._verify(context, draft, config, generator)
-        return _Round(
+        return Round(
             draft=draft,
             verdict=verdict,
             target_logits=target_logits,
@@ -266,8 +190,8 @@ class SpeculativeDecoder:
 
     def _commit(
         self,
-        step: _Round,
-        progress: _Progress,
+        step: Round,
+        progress: Progress,
         config: DecodeConfig,
         drafter: Drafter | None,
         stats: RequestStats,
@@ -335,7 +259,7 @@ class SpeculativeDecoder:
         )
         slot = len(stats.rounds) - 1
         if deferral is not None and not finished:
-            progress.held = _Held(
+            progress.held = Held(
                 tokens=tokens[cut:],
                 origins=origins[cut:],
                 need=deferral.need,

@@ -9,11 +9,12 @@ SHA-256 of everything that decides the generated text:
   model only where the method uses it;
 * the weights' dtype and device;
 * the prompt's token ids, the task's prompt/stop-rule version;
-* the decoding settings, with the ones that cannot change the text left out (the drafting and
-  FLy settings for the target alone, the FLy settings for exact SPD) and without the token
-  budget: an entry made under another ``max_new_tokens`` is reused when :func:`reusable` shows
-  the budget cannot have changed its text (a greedy generation that ended well before both
-  budgets).
+* the decoding settings that can change the text (:func:`flyspec.decode.text_settings`),
+  without the token budget: an entry made under another ``max_new_tokens`` is reused when
+  :func:`reusable` shows the budget cannot have changed its text (a greedy generation that
+  ended well before both budgets);
+* the decoder's revision (:data:`flyspec.decode.DECODER_REVISION`), bumped with every change
+  to what the decoder emits, so that no entry outlives the code that made it.
 
 A cached entry keeps the timing statistics of the run that produced it.
 """
@@ -21,7 +22,6 @@ A cached entry keeps the timing statistics of the run that produced it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from flyspec.config import DecodeConfig, FlyConfig
+from flyspec.config import DecodeConfig
+from flyspec.decode import DECODER_REVISION, budget_margin, text_settings
 
 CACHE_FORMAT = 1
 _HASHED_FILES = (
@@ -68,40 +69,15 @@ def model_identity(spec: str) -> dict:
 
 
 def decoding_identity(config: DecodeConfig) -> dict:
-    """The decoding settings that can change the generated text."""
-    settings = dataclasses.asdict(config)
-    settings.pop("max_new_tokens")
-    if config.draft_confidence == 0:
-        settings.pop("draft_confidence")  # keys made before the setting existed stay valid
-    if config.mode == "target":
-        for name in ("drafter", "k", "fly", "draft_temperature", "max_ngram", "mla_proposals"):
-            settings.pop(name)
-        settings.pop("draft_confidence", None)
-    else:
-        if config.fly_in_force is None:
-            settings.pop("fly")
-        else:  # keys made before the rules beyond the paper existed stay valid
-            paper = FlyConfig()
-            for name in ("min_ratio", "max_rank", "defer"):
-                if settings["fly"][name] == getattr(paper, name):
-                    settings["fly"].pop(name)
-        # 2: a draft block ends at its first end-of-sequence token, which changes where
-        # FLy's window fits near the end of an answer (generations made before miss once).
-        settings["block_rule"] = 2
-    settings["stop"] = list(config.stop)
-    return settings
+    """The decoding settings that can change the generated text, with the decoder's revision."""
+    return {"decoder_revision": DECODER_REVISION, **text_settings(config)}
 
 
 def reusable(entry: dict, config: DecodeConfig) -> bool:
     """Whether a cached generation made under ``entry["max_new_tokens"]`` is exactly what
-    ``config`` would generate.
-
-    Same budget: yes. Otherwise only for greedy decoding, when the entry ended (EOS, stop
-    string, answer) rather than hit its budget, and ended early enough that neither budget
-    could have mattered: the target alone and exact SPD produce the target's greedy text
-    whatever the budget; FLy's draft blocks are shortened within ``k`` tokens of the budget,
-    which can change what is loosely accepted, so FLy needs ``k + 1`` tokens of margin.
-    """
+    ``config`` would generate: always under the same budget; otherwise only for greedy
+    decoding, when the entry ended (EOS, stop string, answer) rather than hit its budget, far
+    enough before both budgets (:func:`~flyspec.decode.budget_margin`)."""
     old_budget = entry.get("max_new_tokens")
     if old_budget == config.max_new_tokens:
         return True
@@ -110,8 +86,7 @@ def reusable(entry: dict, config: DecodeConfig) -> bool:
     if entry.get("finish_reason") in (None, "length"):
         return False
     emitted = len(entry.get("token_ids", ()))
-    margin = 0 if config.fly_in_force is None else config.k + 1
-    return emitted + margin < min(old_budget, config.max_new_tokens)
+    return emitted + budget_margin(config) < min(old_budget, config.max_new_tokens)
 
 
 def generation_key(
