@@ -107,8 +107,7 @@ def create_app(
         on_finished=lambda job: metrics.observe_generation(job.config.mode, job.stats, job.outcome),
         executor=engine_executor,
     )
-    metrics.queue_length.read = lambda: queue.waiting
-    metrics.running.read = lambda: queue.running
+    metrics.read_queue(queue_length=lambda: queue.waiting, running=lambda: queue.running)
     started = int(time.time())
 
     server = _Server(
