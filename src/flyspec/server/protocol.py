@@ -1,4 +1,4 @@
-"""The OpenAI-compatible wire format: request models, response bodies and the error body.
+"""The OpenAI-compatible wire format: request models, the error body, paths and limits.
 
 Requests are validated strictly (a number sent as a string is an error, as with OpenAI) and
 unknown fields are refused, so a misspelt setting is reported instead of silently ignored.
@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
-import time
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from flyspec.stats import RequestStats
 
 FinishReason = Literal["stop", "length"]
 
@@ -375,107 +371,3 @@ class ChatCompletionRequest(_Request):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         return None
-
-
-def new_id(prefix: str) -> str:
-    """A random response id such as ``cmpl-1f2e...``."""
-    return f"{prefix}-{secrets.token_hex(12)}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> dict[str, Any]:
-    """The ``speculative`` object: how the request was decoded, from ``RequestStats``."""
-    figures = stats.as_dict()
-    result: dict[str, Any] = {"mode": mode}
-    for name in (
-        "rounds",
-        "tau",
-        "drafted",
-        "accepted",
-        "loosely_accepted",
-        "rejected",
-        "seconds",
-        "tokens_per_second",
-        "deferrals_confirmed",
-        "deferrals_rolled_back",
-    ):
-        result[name] = figures[name]
-    result["timed_out"] = timed_out
-    return result
-
-
-def response_body(
-    *,
-    chat: bool,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: FinishReason,
-    usage_: dict[str, int],
-    speculative_: dict[str, Any],
-) -> dict[str, Any]:
-    """A finished ``chat.completion`` (``chat``) or ``text_completion``."""
-    choice: dict[str, Any] = {"index": 0}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice.update(logprobs=None, finish_reason=finish_reason)
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_,
-        "speculative": speculative_,
-    }
-
-
-def completion_chunk(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: FinishReason | None = None,
-) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def chat_chunk(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    delta: dict[str, str],
-    finish_reason: FinishReason | None = None,
-) -> dict[str, Any]:
-    """One streamed ``chat.completion.chunk``."""
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }

@@ -1,0 +1,298 @@
+"""One generation request, from its raw body to its response: preparation (parsing,
+validation, chat template, tokenizing) on a thread of its own, the job on the engine's queue,
+and the answer as one JSON body or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from flyspec.config import MAX_SEED, DecodeConfig
+from flyspec.errors import FlyspecError
+from flyspec.server import protocol, responses
+from flyspec.server.errors import (
+    describe_validation_errors,
+    generation_failed,
+    shutting_down,
+    unknown_model,
+)
+from flyspec.server.protocol import (
+    CLIENT_CLOSED,
+    MESSAGE_LIMIT,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    clip,
+)
+from flyspec.server.requests import request_config
+from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request: its model, prompt token ids and decoding settings."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    prompt_ids: list[int]
+    config: DecodeConfig
+
+
+class GenerationHandler:
+    """Request handling shared by the two generation endpoints.
+
+    Preparing a request (JSON parsing, validation, chat template, tokenizing) runs on one
+    thread of its own, started by :meth:`start`: a big request then holds up the next
+    request's preparation, never the event loop, and only one CPU core goes to it while the
+    engine thread generates.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine,
+        defaults: DecodeConfig,
+        model_name: str,
+        queue: GenerationQueue,
+        request_timeout: float,
+        max_messages: int | None,
+    ) -> None:
+        self.engine = engine
+        self.defaults = defaults
+        self.model_name = model_name
+        self.queue = queue
+        self.request_timeout = request_timeout
+        self.max_messages = max_messages
+        self._executor: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the preparation thread (from the app's lifespan)."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-prepare")
+
+    def close(self) -> None:
+        """Stop the preparation thread; preparations not yet started are dropped."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, request: Request, *, chat: bool) -> Response:
+        if self._executor is None:
+            raise RuntimeError("the server is not started (run the app with its lifespan)")
+        raw = await request.body()
+        prepare = functools.partial(
+            self.prepare, raw, content_type=request.headers.get("content-type"), chat=chat
+        )
+        prepared = await asyncio.get_running_loop().run_in_executor(self._executor, prepare)
+        body, prompt_ids, config = prepared.body, prepared.prompt_ids, prepared.config
+        try:
+            job = self.queue.submit(prompt_ids, config, timeout=self.request_timeout)
+        except QueueFullError:
+            raise APIError(
+                429,
+                f"the server is busy: {self.queue.waiting} requests are already waiting "
+                f"(queue size {self.queue.max_waiting}); retry later",
+                type="requests",
+                code="rate_limit_exceeded",
+            ) from None
+        response_id = responses.new_id("chatcmpl" if chat else "cmpl")
+        created = responses.now()
+        if body.stream:
+            events = self._stream(job, response_id, created, chat=chat)
+            return JobStreamingResponse(events, on_close=lambda: self.queue.cancel(job))
+        try:
+            text = await _wait_unless_disconnected(request, job)
+        finally:
+            self.queue.cancel(job)  # no-op once the job has ended
+        if text is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if job.outcome == "error":
+            raise generation_failed(job)
+        if job.outcome == "cancelled":
+            raise shutting_down()
+        return JSONResponse(
+            responses.response_body(
+                chat=chat,
+                request_id=response_id,
+                created=created,
+                model=self.model_name,
+                text=text,
+                finish_reason=job.finish_reason or "length",
+                usage_=responses.usage(len(job.prompt_ids), job.completion_tokens),
+                speculative_=responses.speculative(
+                    job.config.mode, job.stats, timed_out=job.timed_out
+                ),
+            )
+        )
+
+    def prepare(self, raw: bytes, *, content_type: str | None, chat: bool) -> Prepared:
+        """Parse and check a request body and turn it into prompt token ids and decoding
+        settings (APIError for anything the client should fix). Runs off the event loop."""
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            body = protocol.parse_request(
+                raw,
+                content_type=content_type,
+                model=model,
+                max_messages=self.max_messages if chat else None,
+            )
+        except ValidationError as error:
+            message, param, code = describe_validation_errors(error.errors())
+            raise APIError(400, message, param=param, code=code) from None
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            param, message = unsupported
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+        if body.model is not None and body.model != self.model_name:
+            raise unknown_model(body.model, self.model_name)
+        if isinstance(body, ChatCompletionRequest):
+            max_tokens = body.requested_max_tokens
+            max_tokens_param = (
+                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            )
+        else:
+            max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(
+                400,
+                f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                param=max_tokens_param,
+            )
+        if body.seed is not None and not 0 <= body.seed <= MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2**63 - 1], got {body.seed}", param="seed")
+
+        prompt_ids = self._encode(body, chat=chat)
+        prompt_param = "messages" if chat else "prompt"
+        limit = self.engine.context_length
+        room = limit - len(prompt_ids)
+        if max_tokens is None:
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {limit} tokens, and the prompt "
+                    f"already has {len(prompt_ids)}",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+            max_tokens = min(self.defaults.max_new_tokens, room)
+        elif len(prompt_ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} "
+                f"for the completion)",
+                param=max_tokens_param if room >= 1 else prompt_param,
+                code="context_length_exceeded",
+            )
+        config = request_config(self.defaults, body, max_new_tokens=max_tokens)
+        if config.uses_draft_model and getattr(self.engine, "draft_model", None) is None:
+            raise APIError(
+                400,
+                f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model, "
+                "and this server has none; use mode 'target' or drafter 'ngram'",
+                param="drafter",
+            )
+        return Prepared(body=body, prompt_ids=prompt_ids, config=config)
+
+    def _encode(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> list[int]:
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                if not body.messages:
+                    raise APIError(400, "messages must not be empty", param="messages")
+                return self.engine.encode_messages([m.as_template_dict() for m in body.messages])
+            return self.engine.encode(body.prompt)
+        except APIError:
+            raise
+        except FlyspecError as error:
+            raise APIError(
+                400, clip(str(error), MESSAGE_LIMIT), param="messages" if chat else "prompt"
+            ) from None
+        except Exception as error:  # a chat template that raises on this conversation
+            if chat and type(error).__module__.startswith("jinja2"):
+                raise APIError(
+                    400,
+                    f"the chat template refused these messages: {clip(str(error), MESSAGE_LIMIT)}",
+                    param="messages",
+                ) from None
+            raise
+
+    async def _stream(
+        self, job: Job, response_id: str, created: int, *, chat: bool
+    ) -> AsyncIterator[str]:
+        common = {"request_id": response_id, "created": created, "model": self.model_name}
+        if chat:
+            yield sse(responses.chat_chunk(**common, delta={"role": "assistant", "content": ""}))
+        async for piece in job.pieces():
+            if chat:
+                yield sse(responses.chat_chunk(**common, delta={"content": piece}))
+            else:
+                yield sse(responses.completion_chunk(**common, text=piece))
+        if job.outcome == "error":
+            yield sse(generation_failed(job).body())
+        elif job.outcome == "cancelled":
+            yield sse(shutting_down().body())
+        else:
+            finish_reason = job.finish_reason or "length"
+            if chat:
+                final = responses.chat_chunk(**common, delta={}, finish_reason=finish_reason)
+            else:
+                final = responses.completion_chunk(**common, text="", finish_reason=finish_reason)
+            final["usage"] = responses.usage(len(job.prompt_ids), job.completion_tokens)
+            final["speculative"] = responses.speculative(
+                job.config.mode, job.stats, timed_out=job.timed_out
+            )
+            yield sse(final)
+        yield "data: [DONE]\n\n"
+
+
+class JobStreamingResponse(StreamingResponse):
+    """Server-sent events whose job is cancelled however the response ends (finished,
+    client gone before or during streaming, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+async def _wait_unless_disconnected(request: Request, job: Job) -> str | None:
+    """The job's text, or None when the client disconnected first."""
+    text_task = asyncio.ensure_future(job.wait())
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({text_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        return text_task.result() if text_task in done else None
+    finally:
+        for task in (text_task, gone_task):
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"

@@ -1,0 +1,115 @@
+"""The OpenAI-compatible response bodies: whole responses, streamed chunks, usage, and the
+``speculative`` object that says how a request was decoded."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from flyspec.server.protocol import FinishReason
+from flyspec.stats import RequestStats
+
+
+def new_id(prefix: str) -> str:
+    """A random response id such as ``cmpl-1f2e...``."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> dict[str, Any]:
+    """The ``speculative`` object: how the request was decoded, from ``RequestStats``."""
+    figures = stats.as_dict()
+    result: dict[str, Any] = {"mode": mode}
+    for name in (
+        "rounds",
+        "tau",
+        "drafted",
+        "accepted",
+        "loosely_accepted",
+        "rejected",
+        "seconds",
+        "tokens_per_second",
+        "deferrals_confirmed",
+        "deferrals_rolled_back",
+    ):
+        result[name] = figures[name]
+    result["timed_out"] = timed_out
+    return result
+
+
+def response_body(
+    *,
+    chat: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage_: dict[str, int],
+    speculative_: dict[str, Any],
+) -> dict[str, Any]:
+    """A finished ``chat.completion`` (``chat``) or ``text_completion``."""
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=None, finish_reason=finish_reason)
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+        "speculative": speculative_,
+    }
+
+
+def completion_chunk(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: FinishReason | None = None,
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_chunk(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: FinishReason | None = None,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk``."""
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
