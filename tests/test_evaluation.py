@@ -467,6 +467,8 @@ def test_eval_rejects_bad_options(tiny_pair, tmp_path):
         ["--min-ratio", "2"],
         ["--max-rank", "-1"],
         ["--defer", "maybe"],
+        ["--exec-timeout", "0"],
+        ["--exec-memory-mb", "-5"],
     ):
         with pytest.raises(FlyspecError):
             run_eval(_eval_args(tiny_pair, tmp_path, *extra), problems=_problems())

@@ -195,8 +195,6 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
         "max_rank": _numbers(args.max_rank, int, "--max-rank"),
         "defer": _switches(args.defer),
     }
-    if args.exec_timeout <= 0 or args.exec_memory_mb <= 0:
-        raise FlyspecError("--exec-timeout and --exec-memory-mb must be positive")
     base = decode_config_from_args(
         args,
         mode="fly",

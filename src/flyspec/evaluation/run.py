@@ -53,7 +53,10 @@ class EvalSettings:
                 f"prompt_style must be one of {', '.join(PROMPT_STYLES)}, got {self.prompt_style!r}"
             )
         if self.exec_timeout_s <= 0 or self.exec_memory_mb <= 0:
-            raise FlyspecError("the execution time and memory limits must be positive")
+            raise FlyspecError(
+                "the limits of a program's execution must be positive, got a time limit of "
+                f"{self.exec_timeout_s:g} s and a memory limit of {self.exec_memory_mb} MiB"
+            )
 
 
 def run_evaluation(
