@@ -169,15 +169,13 @@ class Engine:
         from flyspec.kernels import apply_cpu_kernels, check_target_quant
         from flyspec.models import (
             check_same_tokenizer,
-            default_pair_paths,
             load_causal_lm,
             load_tokenizer,
+            resolve_pair,
         )
 
         if target is None or (with_draft and draft is None):
-            defaults = default_pair_paths()
-            target = target or str(defaults.target)
-            draft = draft or str(defaults.draft)
+            target, draft = resolve_pair(target, draft)
         if device == "cpu":
             check_target_quant(kernels.target_quant, dtype)  # before minutes of loading
         tokenizer = load_tokenizer(target)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from flyspec.bench.report import has_per_position
-
 SPEEDUP_PLOT = "speedup.png"
 ROUNDS_PLOT = "tokens-per-round.png"
 POSITION_PLOT = "acceptance-by-position.png"
+
+
+def has_per_position(summary: Mapping) -> bool:
+    """Whether a method drafted, so that it has an acceptance at some draft position."""
+    return any(p is not None for p in summary.get("per_position_acceptance") or ())
 
 
 def write_plots(report: Mapping, folder: Path) -> list[str]:

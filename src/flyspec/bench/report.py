@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flyspec.bench.plots import has_per_position, write_plots
 from flyspec.spread import UNSTABLE_SPREAD, Spread
 from flyspec.stats import RoundStats, mean_speedup
 
@@ -280,11 +281,6 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     return "\n".join(lines)
 
 
-def has_per_position(summary: Mapping) -> bool:
-    """Whether a method drafted, so that it has an acceptance at some draft position."""
-    return any(p is not None for p in summary.get("per_position_acceptance") or ())
-
-
 def markdown_report(report: Mapping) -> str:
     config = report["config"]
     env = report["environment"]
@@ -371,8 +367,6 @@ def _load_line(load: Mapping) -> str:
 def write_report(report: dict, folder: Path) -> list[str]:
     """bench.json, bench.md and the plots into ``folder``; returns the file names."""
     folder.mkdir(parents=True, exist_ok=True)
-    from flyspec.bench.plots import write_plots
-
     plots = write_plots(report, folder)
     report["files"] = ["bench.json", "bench.md", *plots]
     (folder / "bench.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -23,6 +23,16 @@ from flyspec.evaluation.run import PROMPT_STYLES, TASKS
 DEFAULT_MODES = "target,spd,fly"
 
 
+PAPER_RULE = {
+    "theta": str(cfg.DEFAULT_THETA),
+    "window": str(cfg.DEFAULT_WINDOW),
+    "min_ratio": "0",
+    "max_rank": "0",
+    "defer": "off",
+}
+"""The FLy rule ``flyspec eval`` measures unless told otherwise: the paper's default."""
+
+
 def add_parser(commands) -> argparse.ArgumentParser:
     """Add ``eval`` to the ``flyspec`` subcommands."""
     parser = commands.add_parser(
@@ -36,10 +46,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "an interrupted run resumes."
         ),
     )
-    add_model_arguments(parser)
-    # The FLy rule's options take lists here (each combination is a method), and --modes
-    # replaces --mode.
-    add_decode_arguments(parser, leave_out=("mode", "max_new_tokens", *LOOSENING_OPTIONS))
     parser.add_argument(
         "--modes",
         "--mode",
@@ -47,33 +53,49 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=DEFAULT_MODES,
         help=f"comma-separated methods among {', '.join(cfg.MODES)} (default {DEFAULT_MODES})",
     )
+    add_evaluation_arguments(parser, rules=PAPER_RULE, limit="humaneval 40, gsm8k 40")
+    parser.set_defaults(handler=run_eval)
+    return parser
+
+
+def add_evaluation_arguments(
+    parser: argparse.ArgumentParser, *, rules: dict[str, str], limit: str
+) -> None:
+    """The options ``eval`` and ``calibrate`` share: models, decoding, the FLy rules as lists
+    (``rules``: their defaults; every combination is its own FLy method), tasks, problems
+    (``limit``: the default's description), output, cache and sandbox limits."""
+    add_model_arguments(parser)
+    add_decode_arguments(
+        parser, leave_out=("mode", "max_new_tokens", "no_calibration", *LOOSENING_OPTIONS)
+    )
     parser.add_argument(
         "--theta",
-        default=str(cfg.DEFAULT_THETA),
-        help="FLy entropy threshold(s), comma-separated, e.g. 0,0.3 (default 0.3); every "
-        "(theta, window) combination is its own fly method",
+        default=rules["theta"],
+        help=f"FLy entropy threshold(s), comma-separated, e.g. 0,0.3 (default {rules['theta']}); "
+        "every combination of the rule's settings is its own fly method",
     )
     parser.add_argument(
         "--window",
-        default=str(cfg.DEFAULT_WINDOW),
-        help="FLy deferred window(s) W, comma-separated, e.g. 0,4,6 (default 6)",
+        default=rules["window"],
+        help=f"FLy deferred window(s) W, comma-separated, e.g. 0,4,6 (default {rules['window']})",
     )
     parser.add_argument(
         "--min-ratio",
-        default="0",
+        default=rules["min_ratio"],
         help="FLy plausibility floor(s): least target probability of the draft token relative "
-        "to the target's top token, comma-separated, e.g. 0,0.1 (default 0: off)",
+        f"to the target's top token, comma-separated, e.g. 0,0.1 (default {rules['min_ratio']}; "
+        "0: off)",
     )
     parser.add_argument(
         "--max-rank",
-        default="0",
+        default=rules["max_rank"],
         help="FLy plausibility floor(s): the draft token among the target's top N, "
-        "comma-separated (default 0: off)",
+        f"comma-separated (default {rules['max_rank']}; 0: off)",
     )
     parser.add_argument(
         "--defer",
-        default="off",
-        help="FLy deferral across blocks: off, on, or off,on for both (default off)",
+        default=rules["defer"],
+        help=f"FLy deferral across blocks: off, on, or off,on for both (default {rules['defer']})",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -91,7 +113,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--limit",
         default=None,
         help="first N problems of each task, or per task as humaneval=N,gsm8k=M; START:END "
-        "takes problems START to END-1, e.g. humaneval=40:100 (default: humaneval 40, gsm8k 40)",
+        f"takes problems START to END-1, e.g. humaneval=40:100 (default: {limit})",
     )
     parser.add_argument(
         "--prompt-style",
@@ -101,7 +123,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "tokenizer has a template)",
     )
     parser.add_argument(
-        "--output", type=Path, default=None, help="output folder (default results/eval-<time>)"
+        "--output",
+        type=Path,
+        default=None,
+        help=f"output folder (default results/{parser.prog.split()[-1]}-<time>)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -124,8 +149,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "limit of each), MiB (default 1024)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(handler=run_eval)
-    return parser
 
 
 def _split(values: list[str] | str | None) -> list[str]:
@@ -174,15 +197,13 @@ def _switches(text: str) -> list[bool]:
     return [values[item] for item in items]
 
 
-def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
-    """The ``eval`` handler. ``problems`` (task name -> list of problems) replaces the
-    datasets, for tests and custom problem sets."""
+def evaluation_settings(args: argparse.Namespace, modes: list[str], *, limit: str | None = None):
+    """``(EvalSettings, base DecodeConfig)`` from the options of :func:`add_evaluation_arguments`
+    and the methods' ``modes``; ``limit`` replaces an absent --limit."""
     from flyspec.evaluation.cache import default_cache_dir
-    from flyspec.evaluation.run import EvalSettings, run_evaluation
+    from flyspec.evaluation.run import EvalSettings
     from flyspec.evaluation.runner import build_methods
 
-    tasks = list(dict.fromkeys(_split(args.task))) or list(TASKS)
-    modes = list(dict.fromkeys(_split(args.modes)))
     for mode in modes:
         if mode not in cfg.MODES:
             raise FlyspecError(f"unknown mode {mode!r}; choose from {', '.join(cfg.MODES)}")
@@ -202,9 +223,9 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
         **{name: values[0] for name, values in rules.items()},
     )
     settings = EvalSettings(
-        tasks=tasks,
+        tasks=list(dict.fromkeys(_split(args.task))) or list(TASKS),
         methods=build_methods(modes, base.fly, rules),  # every combination validated
-        limits=_limits(args.limit),
+        limits=_limits(args.limit or limit),
         max_new_tokens=args.max_new_tokens,
         prompt_style=args.prompt_style,
         cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()),
@@ -212,13 +233,32 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
         exec_memory_mb=args.exec_memory_mb,
         progress=not args.no_progress,
     )
-    output = args.output or Path("results") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    return settings, base
+
+
+def output_folder(args: argparse.Namespace, name: str) -> Path:
+    """--output, or ``results/<name>-<time>``."""
+    return args.output or Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def command_line(name: str) -> str:
+    """The command as typed, recorded as the command that reproduces a run."""
+    return " ".join(["flyspec", *sys.argv[1:]]) if sys.argv else f"flyspec {name}"
+
+
+def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
+    """The ``eval`` handler. ``problems`` (task name -> list of problems) replaces the
+    datasets, for tests and custom problem sets."""
+    from flyspec.evaluation.run import run_evaluation
+
+    settings, base = evaluation_settings(args, list(dict.fromkeys(_split(args.modes))))
+    output = output_folder(args, "eval")
     payload = run_evaluation(
         settings,
         base,
         load_engine=lambda with_draft: load_engine(args, with_draft=with_draft),
         output=output,
-        command=" ".join(["flyspec", *sys.argv[1:]]) if sys.argv else "flyspec eval",
+        command=command_line("eval"),
         problems=problems,
     )
     print((output / "eval.md").read_text(encoding="utf-8"))

@@ -9,9 +9,10 @@ Only argparse and the config module are imported here, so that ``flyspec --help`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from flyspec import config as cfg
 from flyspec.errors import FlyspecError
@@ -179,6 +180,9 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
 LOOSENING_OPTIONS = ("theta", "window", "min_ratio", "max_rank", "defer")
 """The destinations of the FLy rule's options (``flyspec eval`` takes lists of them)."""
 
+RULE_OPTIONS = (*LOOSENING_OPTIONS, "entropy")
+"""Every field of :class:`flyspec.config.FlyConfig`, by destination: what a calibration sets."""
+
 
 def add_decode_arguments(
     parser: argparse.ArgumentParser, *, leave_out: Collection[str] = ()
@@ -197,47 +201,63 @@ def add_decode_arguments(
             ("--window",),
             dict(
                 type=int,
-                default=cfg.DEFAULT_WINDOW,
-                help="FLy deferred window W: matches needed after a loose token (default 6)",
+                default=None,
+                help="FLy deferred window W: matches needed after a loose token (default 6, "
+                "or the pair's calibrated rule)",
             ),
         ),
         (
             ("--theta",),
             dict(
                 type=number,
-                default=cfg.DEFAULT_THETA,
-                help="FLy entropy threshold (default 0.3; inf = exact)",
+                default=None,
+                help="FLy entropy threshold (default 0.3, or the pair's calibrated rule; "
+                "inf = exact)",
             ),
         ),
         (
             ("--entropy",),
-            dict(default="top3", choices=cfg.ENTROPY_KINDS, help="gate entropy (default top3)"),
+            dict(
+                default=None,
+                choices=cfg.ENTROPY_KINDS,
+                help="gate entropy (default top3, or the pair's calibrated rule)",
+            ),
         ),
         (
             ("--min-ratio",),
             dict(
                 type=number,
-                default=0.0,
+                default=None,
                 help="plausibility floor: loosen a mismatch only where the target gives the "
                 "draft token at least this fraction of its top token's probability "
-                "(default 0: off)",
+                "(default 0: off, or the pair's calibrated rule)",
             ),
         ),
         (
             ("--max-rank",),
             dict(
                 type=int,
-                default=0,
+                default=None,
                 help="plausibility floor: loosen only draft tokens among the target's top N "
-                "(default 0: off)",
+                "(default 0: off, or the pair's calibrated rule)",
             ),
         ),
         (
             ("--defer",),
             dict(
-                action="store_true",
+                action=argparse.BooleanOptionalAction,
+                default=None,
                 help="carry a mismatch whose window does not fit in its block into the next "
-                "block (its tokens are held back until the window completes, or rolled back)",
+                "block (its tokens are held back until the window completes, or rolled back; "
+                "default off, or the pair's calibrated rule)",
+            ),
+        ),
+        (
+            ("--no-calibration",),
+            dict(
+                action="store_true",
+                help="FLy's defaults are the paper's even where `flyspec calibrate` saved a "
+                "rule for this pair",
             ),
         ),
         (
@@ -273,6 +293,8 @@ def add_decode_arguments(
             dict(action="append", default=[], help="stop string (repeatable), not emitted"),
         ),
     ]
+    if set(RULE_OPTIONS) <= set(leave_out):
+        leave_out = {*leave_out, "no_calibration"}  # nothing left for a calibration to set
     for flags, settings in options:
         if flags[-1].removeprefix("--").replace("-", "_") not in leave_out:
             parser.add_argument(*flags, **settings)
@@ -281,11 +303,16 @@ def add_decode_arguments(
 def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConfig:
     """Validated settings (ConfigError on a bad value) from parsed arguments; ``fixed`` gives
     values by destination name (``theta=1.0``) for options the command left out or overrides,
-    and an option neither parsed nor fixed keeps the config's default."""
+    and an option neither parsed nor fixed keeps the config's default. FLy's rule starts from
+    the pair's calibration (:func:`calibrated_rule`) where one exists and some of its options
+    were not given."""
     values = {**vars(args), **fixed}
-    fly = {name: values[name] for name in LOOSENING_OPTIONS if name in values}
-    if "entropy" in values:
-        fly["entropy"] = values["entropy"]
+    given = {name: values[name] for name in RULE_OPTIONS if values.get(name) is not None}
+    fly = cfg.FlyConfig()
+    if len(given) < len(RULE_OPTIONS):
+        calibration = calibrated_rule(values)
+        if calibration is not None:
+            fly = calibration.fly
     sampling = {
         name: values[name] for name in ("temperature", "top_k", "top_p", "seed") if name in values
     }
@@ -304,5 +331,30 @@ def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConf
     if "stop" in values:
         decode["stop"] = tuple(values["stop"])
     return cfg.DecodeConfig(
-        fly=cfg.FlyConfig(**fly), sampling=cfg.SamplingConfig(**sampling), **decode
+        fly=dataclasses.replace(fly, **given), sampling=cfg.SamplingConfig(**sampling), **decode
     )
+
+
+def calibrated_rule(values: Mapping[str, object]):
+    """The :class:`~flyspec.calibration.Calibration` saved for the pair that ``target`` and
+    ``draft`` name in ``values`` (parsed options; the default pair where they are None), or
+    None: with --no-calibration, for a command without that option (``eval`` and
+    ``calibrate`` set every rule explicitly), or where the pair has none. Says on stderr when
+    it finds one."""
+    from flyspec.calibration import calibration_path, load_calibration
+    from flyspec.models import resolve_pair
+
+    if values.get("no_calibration", True):
+        return None
+    try:
+        target, draft = resolve_pair(values.get("target"), values.get("draft"))
+    except FlyspecError:
+        return None  # the default pair is not installed: loading it says so
+    path = calibration_path(target, draft)
+    calibration = load_calibration(path)
+    if calibration is not None:
+        say(
+            f"FLy rule calibrated for this pair: {calibration.describe()}; from {path} "
+            "(options given here override it, --no-calibration ignores it)"
+        )
+    return calibration

@@ -4,9 +4,9 @@ One small JSON file per generation, ``<cache dir>/<key[:2]>/<key>.json``, writte
 temporary file in the same folder and renamed into place (atomic on POSIX). The key is the
 SHA-256 of everything that decides the generated text:
 
-* the models' identities (:func:`model_identity`: the resolved path, the sizes of the weight
-  files, hashes of the small config/tokenizer files and of flyspec's install marker); the draft
-  model only where the method uses it;
+* the models' identities (:func:`flyspec.models.identity.model_identity`: the resolved path,
+  the sizes of the weight files, hashes of the small config/tokenizer files and of flyspec's
+  install marker); the draft model only where the method uses it;
 * the weights' dtype and device;
 * the prompt's token ids, the task's prompt/stop-rule version;
 * the decoding settings that can change the text (:func:`flyspec.decode.text_settings`),
@@ -27,45 +27,18 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 
 from flyspec.config import DecodeConfig
 from flyspec.decode import DECODER_REVISION, budget_margin, text_settings
 
 CACHE_FORMAT = 1
-_HASHED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "flyspec-ok.json",
-)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
 def default_cache_dir() -> Path:
     from flyspec.models.home import flyspec_home
 
     return flyspec_home() / "eval-cache"
-
-
-@lru_cache(maxsize=16)
-def model_identity(spec: str) -> dict:
-    """What identifies a model's weights, cheaply: the resolved path, the size of every
-    weight file and the SHA-256 of the small files that describe it. A hub id that is not a
-    local path is identified by its name."""
-    path = Path(spec).expanduser()
-    if not path.exists():
-        return {"name": spec}
-    real = path.resolve()
-    files = [real] if real.is_file() else sorted(p for p in real.iterdir() if p.is_file())
-    sizes = {p.name: p.stat().st_size for p in files if p.suffix in _WEIGHT_SUFFIXES}
-    hashes = {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.name in _HASHED_FILES
-    }
-    return {"path": str(real), "weights": sizes, "files": hashes}
 
 
 def decoding_identity(config: DecodeConfig) -> dict:

@@ -8,6 +8,7 @@ from flyspec.models.default_pair import (
     default_pair_paths,
     is_default_pair_installed,
     pull_default_pair,
+    resolve_pair,
 )
 from flyspec.models.home import flyspec_home
 from flyspec.models.loading import (
@@ -29,5 +30,6 @@ __all__ = [
     "load_causal_lm",
     "load_tokenizer",
     "pull_default_pair",
+    "resolve_pair",
     "resolve_device",
 ]

@@ -134,6 +134,16 @@ def default_pair_paths(home: Path | None = None) -> DefaultPair:
     return DefaultPair(draft=draft[0], target=target[0])
 
 
+def resolve_pair(target: str | None, draft: str | None) -> tuple[str, str]:
+    """``(target, draft)``, the default pair's folder for each that is None (FlyspecError
+    when the default pair is needed and not installed)."""
+    if target is None or draft is None:
+        defaults = default_pair_paths()
+        target = target or str(defaults.target)
+        draft = draft or str(defaults.draft)
+    return target, draft
+
+
 def pull_default_pair(
     *,
     source: str = "auto",
