@@ -275,13 +275,17 @@ def test_bench_repeats_and_compare_on_the_command_line(tiny_pair, tmp_path, caps
     assert code == 0, captured.err
     assert "Compared with" in captured.out and "| fly |" in captured.out
     assert "new/old" in captured.out
+    # The same code and models generate the same tokens: both prompts of the first repeat.
+    comparison = captured.out[captured.out.index("Compared with") :]
+    fly_row = next(line for line in comparison.splitlines() if line.startswith("| fly |"))
+    assert fly_row.endswith("| 2/2 |")
     assert "flyspec: machine:" in captured.err and "during the run other processes" in captured.err
     new = json.loads((tmp_path / "new" / "bench.json").read_text())
     assert len(new["samples"]["fly"]) == 4
 
 
 def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
-    from flyspec.bench.compare import compare_reports, format_comparison
+    from flyspec.bench.compare import compare_reports, format_comparison, same_tokens
 
     old = {"methods": [{"method": "fly", "tokens_per_second": 10.0, "speedup": 2.0}]}
     new = {
@@ -314,7 +318,20 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     vllm_run = {**old, "config": {"baseline": "vllm-target"}}
     text = format_comparison(vllm_run, new)
     assert "different baselines (vllm-target in the old run, target in the new one)" in text
-    assert text.count("| n/a |") == 1
+    fly_row = next(line for line in text.splitlines() if line.startswith("| fly |"))
+    assert fly_row.endswith("| n/a | n/a |")  # speedups and tokens not compared
+    assert same_tokens(old, new, "fly") is None
+    with_tokens = {
+        "samples": {
+            "fly": [
+                {"prompt_id": "a", "repeat": 0, "token_ids": [1, 2]},
+                {"prompt_id": "b", "repeat": 0, "token_ids": [3]},
+            ]
+        }
+    }
+    changed = {"samples": {"fly": [{"prompt_id": "a", "repeat": 0, "token_ids": [1, 5]}]}}
+    assert same_tokens(with_tokens, with_tokens, "fly") == (2, 2)
+    assert same_tokens(with_tokens, changed, "fly") == (0, 1)
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert main(["compare", str(bad), str(tmp_path / "new")]) == 2

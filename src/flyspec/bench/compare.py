@@ -4,7 +4,9 @@ For every method in both reports: the ratio of the new median tokens/s to the ol
 side's range over its repeats, and a verdict (``faster``, ``slower`` or ``~``) that names a
 change only where it is larger than the noise (:class:`flyspec.spread.Change`). The speedup
 over the baseline is compared the same way, since it is the figure least moved by a machine
-that is faster or slower as a whole.
+that is faster or slower as a whole. Where both reports hold the generated token ids, the
+table also says on how many prompts a method produced the same tokens in both runs: a change to
+the code that should not change what is generated must leave them all the same.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from flyspec.errors import FlyspecError
 from flyspec.spread import NOISE_FLOOR, UNSTABLE_SPREAD, Change, Spread, compare
 
-__all__ = ["compare_reports", "format_comparison", "read_bench"]
+__all__ = ["compare_reports", "format_comparison", "read_bench", "same_tokens"]
 
 
 def read_bench(path: str | Path) -> dict:
@@ -61,6 +63,25 @@ def compare_reports(old: Mapping, new: Mapping) -> list[tuple[str, Change, Chang
     return rows
 
 
+def same_tokens(old: Mapping, new: Mapping, method: str) -> tuple[int, int] | None:
+    """``(identical, compared)``: of the (prompt, repeat) samples of ``method`` in both
+    reports, how many have the same token ids; None when either report holds none."""
+
+    def token_ids(report: Mapping) -> dict:
+        records = (report.get("samples") or {}).get(method) or []
+        return {
+            (r.get("prompt_id"), r.get("repeat", 0)): r["token_ids"]
+            for r in records
+            if r.get("token_ids") is not None
+        }
+
+    before, after = token_ids(old), token_ids(new)
+    shared = [key for key in after if key in before]
+    if not shared:
+        return None
+    return sum(before[key] == after[key] for key in shared), len(shared)
+
+
 def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> str:
     """A Markdown table of :func:`compare_reports`, with the machines of both runs."""
     from flyspec.bench.report import machine_line
@@ -74,20 +95,22 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         f"{new.get('environment', {}).get('date')}",
         "",
         "| method | tok/s old | tok/s new | new/old | change | speedup old | speedup new "
-        "| change |",
-        "|---|---:|---:|---:|---|---:|---:|---|",
+        "| change | same tokens |",
+        "|---|---:|---:|---:|---|---:|---:|---|---:|",
     ]
     baselines = [report.get("config", {}).get("baseline", "target") for report in (old, new)]
     same_baseline = baselines[0] == baselines[1]
     for method, speed, speedup in rows:
         speedup_verdict = speedup.verdict if same_baseline else "n/a"
+        tokens = same_tokens(old, new, method)
         lines.append(
             f"| {method} | {speed.old.describe()} | {speed.new.describe()} | "
             f"{speed.ratio:.3f} | {speed.verdict} | {speedup.old.describe(unit='x')} | "
-            f"{speedup.new.describe(unit='x')} | {speedup_verdict} |"
+            f"{speedup.new.describe(unit='x')} | {speedup_verdict} | "
+            f"{'n/a' if tokens is None else f'{tokens[0]}/{tokens[1]}'} |"
         )
     if not rows:
-        lines.append("| (no method in both runs) | | | | | | | |")
+        lines.append("| (no method in both runs) | | | | | | | | |")
     if not same_baseline:
         lines += [
             "",
@@ -98,6 +121,7 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         "",
         "change: faster/slower where the runs' ranges over their repeats do not overlap and "
         f"the medians differ by more than {NOISE_FLOOR:.0%} (a run of one repeat counts as "
-        f"{UNSTABLE_SPREAD:.0%} wide); ~ otherwise, within the noise.",
+        f"{UNSTABLE_SPREAD:.0%} wide); ~ otherwise, within the noise. same tokens: the "
+        "prompts (and repeats) on which the method generated the same token ids in both runs.",
     ]
     return "\n".join(lines)
