@@ -116,8 +116,8 @@ def additional_config(fly: FlyConfig | None) -> dict[str, Any]:
         return {SECTION: {"rejection_sample_method": "standard"}}
     if fly.defer:
         raise VllmPluginError(
-            "deferral across blocks (--defer) is not available inside vLLM: drop it, or use "
-            "flyspec's own engine"
+            "deferral across blocks (--defer, which a pair's calibrated rule may set) is not "
+            "available inside vLLM: give --no-defer, or use flyspec's own engine"
         )
     section = {
         "rejection_sample_method": "fly",
