@@ -212,3 +212,17 @@ def test_eval_ignores_calibrations(tiny_pair, tmp_path, home):
     assert not hasattr(args, "no_calibration")
     rule = dict(theta=0.3, window=6, min_ratio=0.0, max_rank=0, defer=False, max_new_tokens=8)
     assert decode_config_from_args(args, **rule).fly == FlyConfig()
+
+
+def test_models_list_names_the_default_pairs_rule(tiny_pair, home, monkeypatch, capsys):
+    import flyspec.models
+    from flyspec.cli import main
+
+    draft, target = tiny_pair
+    monkeypatch.setattr(flyspec.models, "is_default_pair_installed", lambda: True)
+    monkeypatch.setattr(flyspec.models, "resolve_pair", lambda t, d: (str(target), str(draft)))
+    assert main(["models", "list"]) == 0
+    assert "calibrated for this pair: none (the paper's rule)" in capsys.readouterr().out
+    save_calibration(calibration(theta=1.0, window=4), calibration_path(str(target), str(draft)))
+    assert main(["models", "list"]) == 0
+    assert "calibrated for this pair: --theta 1 --window 4 (kept" in capsys.readouterr().out

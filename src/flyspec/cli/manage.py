@@ -49,7 +49,13 @@ def run_models_pull(args: argparse.Namespace) -> int:
 
 
 def run_models_list(args: argparse.Namespace) -> int:
-    from flyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, flyspec_home
+    from flyspec.models import (
+        DEFAULT_DRAFT,
+        DEFAULT_TARGET,
+        flyspec_home,
+        is_default_pair_installed,
+        resolve_pair,
+    )
     from flyspec.models.default_pair import installed_model, model_dir
 
     print(f"cache folder: {flyspec_home()}")
@@ -58,6 +64,13 @@ def run_models_list(args: argparse.Namespace) -> int:
         state = "not installed" if installed is None else f"from the {installed[1]}"
         folder = model_dir(model) if installed is None else installed[0]
         print(f"{role:6s}  {model.name:32s}  {state:15s}  {folder}")
+    if is_default_pair_installed():
+        from flyspec.calibration import calibration_path, load_calibration
+
+        path = calibration_path(*resolve_pair(None, None))
+        calibration = load_calibration(path)
+        rule = "none (the paper's rule)" if calibration is None else calibration.describe()
+        print(f"FLy rule calibrated for this pair: {rule}")
     return 0
 
 
