@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.config import ConfigError, FlyConfig
 from flyspec.errors import FlyspecError
+from flyspec.files import write_text_atomically
 from flyspec.models.home import flyspec_home
 from flyspec.models.identity import model_identity
 
@@ -125,16 +124,7 @@ def calibration_path(target: str, draft: str, *, home: Path | None = None) -> Pa
 
 def save_calibration(calibration: Calibration, path: Path) -> None:
     """Write ``calibration`` to ``path`` atomically (a temporary file renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(calibration.as_dict(), out, indent=2)
-            out.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_text_atomically(path, json.dumps(calibration.as_dict(), indent=2) + "\n")
 
 
 def load_calibration(path: Path) -> Calibration | None:

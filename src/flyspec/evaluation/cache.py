@@ -21,16 +21,14 @@ A cached entry keeps the timing statistics of the run that produced it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from flyspec.config import DecodeConfig
 from flyspec.decode import DECODER_REVISION, budget_margin, text_settings
+from flyspec.files import write_text_atomically
 
 CACHE_FORMAT = 1
 
@@ -128,16 +126,5 @@ class GenerationCache:
     def put(self, key: str, entry: dict) -> None:
         if self.folder is None:
             return
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{key[:8]}-", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
-                json.dump({**entry, "key": key}, out, ensure_ascii=False)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        text = json.dumps({**entry, "key": key}, ensure_ascii=False)
+        write_text_atomically(self._path(key), text)
