@@ -210,7 +210,8 @@ def test_eval_ignores_calibrations(tiny_pair, tmp_path, home):
     save_calibration(calibration(theta=1.0), calibration_path(str(target), str(draft)))
     args = parse(tiny_pair, "eval")
     assert not hasattr(args, "no_calibration")
-    rule = dict(theta=0.3, window=6, min_ratio=0.0, max_rank=0, defer=False, max_new_tokens=8)
+    rule = dict(theta=0.3, window=6, min_ratio=0.0, max_rank=0, max_draft_confidence=1.0)
+    rule.update(defer=False, max_new_tokens=8)
     assert decode_config_from_args(args, **rule).fly == FlyConfig()
 
 

@@ -333,6 +333,18 @@ def test_draft_confidence_ends_the_block_after_the_first_unsure_token(draft, dra
     assert block.tokens.tolist() == plain[: least_sure + 1]
 
 
+def test_blocks_carry_the_draft_models_confidence(draft):
+    base = reference_greedy(draft, [4, 8, 15], 20)
+    context = [4, 8, 15] + base + [4, 8, 15] + base[:5]  # repeats: MLA has proposals
+    plain = ModelDrafter(CachedLM(draft)).propose(context, 15)
+    expected = draft_probabilities(draft, context, plain.tokens.tolist())
+    expected = expected.float()
+    assert torch.allclose(plain.confidence, expected, atol=1e-5)
+    mla = MlaDrafter(CachedLM(draft), proposals=6).propose(context, 15)
+    assert torch.allclose(mla.confidence, expected, atol=1e-5)
+    assert NgramDrafter().propose(context, 5).confidence is None
+
+
 def test_spd_with_draft_confidence_is_still_the_targets_greedy_output(target, draft):
     decoder = SpeculativeDecoder(target, draft)
     for drafter in ("model", "mla"):
@@ -403,6 +415,24 @@ def test_the_plausibility_floor_keeps_only_plausible_tokens(target, close_draft)
     paper = FlyConfig(window=1, theta=0.0)
     run(decoder, PROMPTS[0], DecodeConfig(mode="fly", k=8, fly=paper), unfloored)
     assert any(r.ratio < 0.5 or r.rank > 2 for r in unfloored.loose_tokens)
+
+
+def test_the_draft_doubt_loosens_only_tokens_the_draft_was_unsure_of(target, close_draft):
+    decoder = SpeculativeDecoder(target, close_draft)
+    paper = RequestStats()
+    config = DecodeConfig(mode="fly", k=8, fly=FlyConfig(window=1, theta=0.0))
+    run(decoder, PROMPTS[0], config, paper)
+    confidences = sorted(r.draft_confidence for r in paper.loose_tokens)
+    assert len(confidences) >= 2 and all(0 < c <= 1 for c in confidences)
+    cap = (confidences[0] + confidences[-1]) / 2  # refuses some of what the paper's rule kept
+    doubt = RequestStats()
+    capped = config.with_updates(fly=FlyConfig(window=1, theta=0.0, max_draft_confidence=cap))
+    tokens = run(decoder, PROMPTS[0], capped, doubt)
+    check_loosened_output(target, PROMPTS[0], tokens, doubt, 1)
+    assert all(r.draft_confidence <= cap for r in doubt.loose_tokens)
+    ngram = RequestStats()
+    run(decoder, PROMPTS[0], capped.with_updates(drafter="ngram"), ngram)
+    assert ngram.loose_tokens == []  # prompt lookup gives no confidence: it counts as sure
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 3, 9, 17])

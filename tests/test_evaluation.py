@@ -532,7 +532,7 @@ def test_tradeoff_labels_of_coinciding_points_are_merged():
     ]
 
 
-def _loose(ratio, rank, entropy=0.7, position=3):
+def _loose(ratio, rank, entropy=0.7, position=3, draft_confidence=None):
     return {
         "output_index": 5,
         "position": position,
@@ -545,6 +545,7 @@ def _loose(ratio, rank, entropy=0.7, position=3):
         "top_prob": 0.5,
         "ratio": ratio,
         "rank": rank,
+        "draft_confidence": draft_confidence,
     }
 
 
@@ -557,8 +558,10 @@ def test_loosening_analysis_joins_loose_tokens_with_outcomes(tmp_path):
     methods = build_methods(["target", "fly"], FlyConfig())
     samples = []
     # p0 lost with two implausible loose tokens, p1 unchanged with a plausible one, p2 gained.
-    cases = [(True, False, [_loose(0.01, 9), _loose(0.04, 4)]), (True, True, [_loose(0.8, 2)])]
-    cases.append((False, True, [_loose(0.3, 2, position=9)]))
+    sure, unsure = {"draft_confidence": 0.95}, {"draft_confidence": 0.2}
+    lost = [_loose(0.01, 9, **sure), _loose(0.04, 4, **sure)]
+    cases = [(True, False, lost), (True, True, [_loose(0.8, 2, **unsure)])]
+    cases.append((False, True, [_loose(0.3, 2, position=9, **unsure)]))
     for i, (target_ok, fly_ok, tokens) in enumerate(cases):
         samples.append(_sample(f"p{i}", "target", target_ok, 2.0))
         fly = _sample(f"p{i}", "fly", fly_ok, 3.0)
@@ -575,6 +578,13 @@ def test_loosening_analysis_joins_loose_tokens_with_outcomes(tmp_path):
     assert floors["ratio >= 0.05"]["lost_problems_fully_refused"] == 1
     assert floors["rank <= 5"]["refused_lost"] == 0.5
     assert floors["rank <= 5"]["lost_problems_fully_refused"] == 0
+    assert floors["draft confidence <= 0.5"]["refused_lost"] == 1.0
+    assert floors["draft confidence <= 0.5"]["refused_unchanged"] == 0.0
+    assert fly["features"]["unchanged"]["draft_confidence"] == [0.2, 0.2, 0.2]
+    # Records made before the draft's confidence was recorded: its caps are left out.
+    old = [dataclasses.replace(s, loose_tokens=[_loose(0.3, 2)]) for s in samples]
+    old_floors = loosening.analyse(old, methods, ["gsm8k"])["gsm8k"]["fly"]["floors"]
+    assert not any(row["floor"].startswith("draft") for row in old_floors)
     payload = {
         "created": "now",
         "models": {"target": {"path": "t"}, "draft": {"path": "d"}},

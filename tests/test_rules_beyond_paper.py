@@ -1,5 +1,6 @@
-"""The rules beyond the paper (plausibility floor, deferral across blocks) on synthetic logits,
-checked against a plain statement of the whole rule over every pattern of short blocks."""
+"""The rules beyond the paper (plausibility floor, the draft's doubt, deferral across blocks) on
+synthetic logits, checked against a plain statement of the whole rule over every pattern of
+short blocks."""
 
 import itertools
 import math
@@ -10,6 +11,7 @@ import torch
 from flyspec.config import ConfigError, FlyConfig
 from flyspec.verify import (
     deferred_need,
+    draft_unsure,
     loose_token_features,
     loosely_accepted,
     plausible,
@@ -24,9 +26,16 @@ CERTAIN = "c"  # sure of its own token: entropy ~ 0
 PLAUSIBLE = "p"  # unsure, and the draft token is its close second (ratio 0.9, rank 2)
 IMPLAUSIBLE = "i"  # unsure between other tokens; the draft token is far behind (rank 4)
 MATCH = "a"  # the draft token is the target's
+# The same two mismatches where the draft model was sure of its token (confidence 0.95; every
+# other position 0.4):
+PLAUSIBLE_SURE_DRAFT = "P"
+IMPLAUSIBLE_SURE_DRAFT = "I"
+KINDS = MATCH + CERTAIN + PLAUSIBLE + IMPLAUSIBLE + PLAUSIBLE_SURE_DRAFT + IMPLAUSIBLE_SURE_DRAFT
+SURE, UNSURE = 0.95, 0.4
 
 
 def row(kind: str) -> torch.Tensor:
+    kind = kind.lower()  # the target's view does not depend on the draft's
     logits = torch.full((V,), -30.0)
     logits[TARGET] = 3.0
     if kind == CERTAIN:
@@ -45,6 +54,11 @@ def block(kinds: str) -> tuple[torch.Tensor, torch.Tensor]:
     return drafts, logits
 
 
+def confidence(kinds: str) -> torch.Tensor:
+    """The draft model's confidence ``float[K]`` in each of its tokens."""
+    return torch.tensor([SURE if k.isupper() else UNSURE for k in kinds])
+
+
 def sampled_verdict(drafts, logits, fly, *, temperature=1.0, target_probs=None, seed=0):
     """:func:`verify_sampling` with a one-hot draft at ``temperature`` (or ``target_probs``)."""
     if target_probs is None:
@@ -58,11 +72,14 @@ def sampled_verdict(drafts, logits, fly, *, temperature=1.0, target_probs=None, 
 def oracle(kinds: str, fly: FlyConfig) -> tuple[int, list[int], int]:
     """The rule stated plainly: (cut, loose positions, deferred need; 0 = no deferral)."""
     floor = fly.min_ratio > 0 or fly.max_rank > 0
+    doubt_needed = fly.max_draft_confidence < SURE
     loose = []
     for i, kind in enumerate(kinds):
         if kind == MATCH:
             continue
-        candidate = kind == PLAUSIBLE or (kind == IMPLAUSIBLE and not floor)
+        target_view = kind.lower()
+        candidate = target_view == PLAUSIBLE or (target_view == IMPLAUSIBLE and not floor)
+        candidate = candidate and not (kind.isupper() and doubt_needed)
         window = kinds[i + 1 : i + 1 + fly.window]
         fits = i + fly.window <= len(kinds) - 1
         if candidate and fits and all(k == MATCH for k in window):
@@ -82,16 +99,25 @@ RULES = [
     FlyConfig(window=2, theta=0.3, defer=True),
     FlyConfig(window=3, theta=0.3, min_ratio=0.5, defer=True),
     FlyConfig(window=1, theta=0.3, max_rank=3, defer=True),
+    FlyConfig(window=2, theta=0.3, max_draft_confidence=0.5),
+    FlyConfig(window=2, theta=0.3, max_draft_confidence=0.95),  # at the cap: still unsure
+    FlyConfig(window=2, theta=0.3, min_ratio=0.5, max_draft_confidence=0.5, defer=True),
+]
+
+
+# Blocks of up to 5 positions whose draft is never sure, and of up to 4 with every kind.
+PATTERNS = [(MATCH + CERTAIN + PLAUSIBLE + IMPLAUSIBLE, n) for n in range(6)] + [
+    (KINDS, n) for n in range(1, 5)
 ]
 
 
 @pytest.mark.parametrize("fly", RULES, ids=repr)
-@pytest.mark.parametrize("length", range(0, 6))
-def test_every_pattern_matches_the_plain_statement_of_the_rule(fly, length):
-    for kinds in itertools.product(MATCH + CERTAIN + PLAUSIBLE + IMPLAUSIBLE, repeat=length):
+@pytest.mark.parametrize("alphabet, length", PATTERNS)
+def test_every_pattern_matches_the_plain_statement_of_the_rule(fly, alphabet, length):
+    for kinds in itertools.product(alphabet, repeat=length):
         kinds = "".join(kinds)
         drafts, logits = block(kinds)
-        verdict = verify_greedy(drafts, logits, fly=fly)
+        verdict = verify_greedy(drafts, logits, fly=fly, draft_confidence=confidence(kinds))
         cut, loose, need = oracle(kinds, fly)
         assert list(verdict.loose_positions) == loose, kinds
         if need:
@@ -105,7 +131,8 @@ def test_every_pattern_matches_the_plain_statement_of_the_rule(fly, length):
             assert verdict.deferral is None, kinds
             assert verdict.num_kept == cut, kinds
         # Invariants: loose positions are mismatches before the cut; FLy keeps at least as
-        # many tokens as exact verification, and the floor never keeps more than no floor.
+        # many tokens as exact verification, and the floor and the draft's doubt never keep
+        # more than the paper's rule.
         assert all(kinds[i] != MATCH for i in loose)
         exact = verify_greedy(drafts, logits, fly=None)
         assert verdict.num_kept >= exact.num_kept
@@ -193,6 +220,68 @@ class TestDeferral:
         assert all(v.num_kept == 3 and v.is_bonus for v in verdicts)
 
 
+class TestDraftDoubt:
+    def test_the_cap_is_inclusive_and_one_switches_it_off(self):
+        confidence = torch.tensor([0.2, 0.5, 0.9, 1.0])
+        assert draft_unsure(confidence, 4, max_draft_confidence=0.5).tolist() == [
+            True,
+            True,
+            False,
+            False,
+        ]
+        assert draft_unsure(confidence, 4, max_draft_confidence=1.0).all()
+
+    def test_a_drafter_without_confidence_counts_as_sure(self):
+        assert not draft_unsure(None, 3, max_draft_confidence=0.99).any()
+        assert draft_unsure(None, 3, max_draft_confidence=1.0).all()
+        drafts, logits = block("pa")
+        fly = FlyConfig(window=1, theta=0.3, max_draft_confidence=0.5)
+        assert verify_greedy(drafts, logits, fly=fly).num_kept == 0
+        paper = FlyConfig(window=1, theta=0.3)
+        assert verify_greedy(drafts, logits, fly=paper).num_kept == 2
+
+    def test_sampling_honours_it(self):
+        # A one-hot draft of token 1 where the target gives it 0.9 / 1.9: sampling rejects
+        # it often; FLy keeps it only when the draft was unsure.
+        drafts, logits = block("pa")
+        fly = FlyConfig(window=1, theta=0.3, max_draft_confidence=0.5)
+        generator = torch.Generator().manual_seed(0)
+        probs = logits.softmax(-1)
+        for kinds, kept in (("pa", 2), ("Pa", None)):
+            verdicts = [
+                verify_sampling(
+                    drafts,
+                    None,
+                    probs,
+                    fly=fly,
+                    target_logits=logits,
+                    generator=generator,
+                    draft_confidence=confidence(kinds),
+                )
+                for _ in range(30)
+            ]
+            counts = {v.num_kept for v in verdicts}
+            if kept is not None:
+                assert counts == {kept}
+            else:
+                assert counts == {0, 2}  # loosening off: sampling alone decides
+
+    def test_the_batched_form_honours_it(self):
+        drafts, logits = block("pa" + "Pa")
+        accepted = drafts == logits[:-1].argmax(-1)
+        fly = FlyConfig(window=1, theta=0.3, max_draft_confidence=0.5)
+        loose = loosely_accepted(
+            accepted,
+            logits[:-1],
+            drafts,
+            torch.ones_like(accepted),
+            fly=fly,
+            cu_num_drafted=torch.tensor([2, 4]),
+            draft_confidence=confidence("paPa"),
+        )
+        assert loose.tolist() == [True, False, False, False]
+
+
 def test_loose_token_features_describe_the_targets_view():
     drafts, logits = block("pi")
     features = loose_token_features(logits[:2], drafts, entropy="top3")
@@ -205,7 +294,16 @@ def test_loose_token_features_describe_the_targets_view():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("min_ratio", -0.1), ("min_ratio", 1.5), ("max_rank", -1), ("max_rank", 1.5), ("defer", 1)],
+    [
+        ("min_ratio", -0.1),
+        ("min_ratio", 1.5),
+        ("max_rank", -1),
+        ("max_rank", 1.5),
+        ("max_draft_confidence", -0.1),
+        ("max_draft_confidence", 1.01),
+        ("max_draft_confidence", True),
+        ("defer", 1),
+    ],
 )
 def test_bad_values_of_the_new_rules_are_refused(field, value):
     with pytest.raises(ConfigError, match=field):

@@ -309,13 +309,14 @@ def test_lossless_settings_give_the_targets_greedy_text(client):
         {"mode": "spd", "k": 6},
         {"mode": "fly", "theta": "inf"},
         {"mode": "fly", "theta": "inf", "min_ratio": 0.5, "max_rank": 3, "defer": True},
+        {"mode": "fly", "theta": "inf", "max_draft_confidence": 0.5},
     ]
     for extra in lossless:
         body = client.post(
             "/v1/completions", json={"prompt": [PROMPT], "max_tokens": 16, **extra}
         ).json()
         texts.append(body["choices"][0]["text"])
-    assert texts[0] and texts[1] == texts[0] and texts[2] == texts[0] and texts[3] == texts[0]
+    assert texts[0] and all(text == texts[0] for text in texts[1:])
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -464,6 +465,7 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "theta": "high"}, "theta"),
     ({"prompt": PROMPT, "entropy": "full"}, "entropy"),
     ({"prompt": PROMPT, "min_ratio": 1.5}, "min_ratio"),
+    ({"prompt": PROMPT, "max_draft_confidence": 2}, "max_draft_confidence"),
     ({"prompt": PROMPT, "max_rank": -2}, "max_rank"),
     ({"prompt": PROMPT, "defer": "sometimes"}, "defer"),
     ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),

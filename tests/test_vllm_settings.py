@@ -148,7 +148,7 @@ def test_a_vllm_summary_pools_its_requests():
     assert summary["kind"] == "vllm" and summary["engine_start_seconds"] == 33.3
 
 
-def test_the_plausibility_floor_reaches_vllm_and_deferral_is_refused():
+def test_the_plausibility_floor_reaches_vllm_and_deferral_and_the_draft_doubt_are_refused():
     fly = FlyConfig(window=4, theta=0.3, min_ratio=0.2, max_rank=5)
     section = additional_config(fly)["flyspec"]
     assert section["fly_min_ratio"] == 0.2 and section["fly_max_rank"] == 5
@@ -156,5 +156,9 @@ def test_the_plausibility_floor_reaches_vllm_and_deferral_is_refused():
     assert "fly_min_ratio" not in additional_config(FlyConfig())["flyspec"]
     with pytest.raises(VllmPluginError, match="deferral"):
         additional_config(FlyConfig(defer=True))
+    with pytest.raises(VllmPluginError, match="max-draft-confidence"):
+        additional_config(FlyConfig(max_draft_confidence=0.5))
+    with pytest.raises(VllmPluginError, match="unknown key"):
+        parse_settings({"fly_max_draft_confidence": 0.5})
     with pytest.raises(VllmPluginError, match="min_ratio"):
         parse_settings({"fly_min_ratio": 3})

@@ -108,6 +108,8 @@ def fly_settings(fly: FlyConfig) -> str:
         parts.append(f"--min-ratio {fly.min_ratio:g}")
     if fly.max_rank > 0:
         parts.append(f"--max-rank {fly.max_rank}")
+    if fly.max_draft_confidence < 1:
+        parts.append(f"--max-draft-confidence {fly.max_draft_confidence:g}")
     if fly.defer:
         parts.append("--defer")
     return " ".join(parts)

@@ -16,6 +16,11 @@ Beyond the paper (all off by default, so the default rule is the paper's):
 * ``min_ratio`` and ``max_rank`` form a *plausibility floor*: a mismatch is loosened only where
   the target's probability of the draft token is at least ``min_ratio`` times that of its own
   top token, and the draft token is among its ``max_rank`` most likely tokens.
+* ``max_draft_confidence`` asks the draft model to be unsure too: a mismatch is loosened only
+  where the draft model gave its own token at most this probability (softmax of its raw
+  logits). Where both models are unsure, the two tokens are more often two ways of saying the
+  same thing; where the draft was sure of a token the target doubts, the draft is more often
+  wrong. A drafter that gives no probabilities (prompt lookup) counts as sure.
 * ``defer`` carries a mismatch whose window does not fit in its block into the next block:
   its tokens are held back until the window completes there, or rolled back to the target's
   correction when it fails.
@@ -69,14 +74,15 @@ def _check(condition: bool, message: str, *, field: str) -> None:
 @dataclass(frozen=True)
 class FlyConfig:
     """The loosening rule: entropy gate plus deferred window (docs/design.md), with the
-    optional plausibility floor (``min_ratio``, ``max_rank``) and deferral across blocks
-    (``defer``)."""
+    optional plausibility floor (``min_ratio``, ``max_rank``), the draft's doubt
+    (``max_draft_confidence``; 1 = off) and deferral across blocks (``defer``)."""
 
     window: int = DEFAULT_WINDOW
     theta: float = DEFAULT_THETA
     entropy: EntropyKind = "top3"
     min_ratio: float = 0.0
     max_rank: int = 0
+    max_draft_confidence: float = 1.0
     defer: bool = False
 
     def __post_init__(self) -> None:
@@ -110,6 +116,14 @@ class FlyConfig:
             field="max_rank",
         )
         _check(
+            isinstance(self.max_draft_confidence, (int, float))
+            and not isinstance(self.max_draft_confidence, bool)
+            and 0 <= self.max_draft_confidence <= 1,
+            "max_draft_confidence must be a number in [0, 1] (1 = off), "
+            f"got {self.max_draft_confidence!r}",
+            field="max_draft_confidence",
+        )
+        _check(
             isinstance(self.defer, bool),
             f"defer must be true or false, got {self.defer!r}",
             field="defer",
@@ -118,7 +132,9 @@ class FlyConfig:
     @property
     def beyond_paper(self) -> bool:
         """Whether any rule beyond the paper's gate and window is on."""
-        return self.min_ratio > 0 or self.max_rank > 0 or self.defer
+        return (
+            self.min_ratio > 0 or self.max_rank > 0 or self.max_draft_confidence < 1 or self.defer
+        )
 
 
 @dataclass(frozen=True)

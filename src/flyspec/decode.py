@@ -326,6 +326,9 @@ class SpeculativeDecoder:
                 top_prob=float(columns["top_prob"][row]),
                 ratio=float(columns["ratio"][row]),
                 rank=int(columns["rank"][row]),
+                draft_confidence=(
+                    None if draft.confidence is None else float(draft.confidence[position])
+                ),
             )
             for row, position in enumerate(positions)
         }
@@ -342,7 +345,12 @@ class SpeculativeDecoder:
         target_logits = self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
         draft_tokens = draft.tokens.to(target_logits.device)
         if config.sampling.greedy:
-            verdict = verify_greedy(draft_tokens, target_logits, fly=config.fly_in_force)
+            verdict = verify_greedy(
+                draft_tokens,
+                target_logits,
+                fly=config.fly_in_force,
+                draft_confidence=draft.confidence,
+            )
             return verdict, target_logits
         target_probs = sampling_probs(target_logits, config.sampling)
         draft_probs = draft.probs
@@ -355,6 +363,7 @@ class SpeculativeDecoder:
             fly=config.fly_in_force,
             target_logits=target_logits,
             generator=generator,
+            draft_confidence=draft.confidence,
         )
         return verdict, target_logits
 

@@ -15,7 +15,8 @@ class LooseToken:
     block of ``block_size`` drafted tokens, whether its window completed in the next block
     (``deferred``), and the target's entropy there (of the gate's kind), probability of the
     draft token, ratio of that to its top token's, the draft token's rank (1 = top) and the
-    target's own token."""
+    target's own token; and the draft model's confidence in its token (its probability of it,
+    None for a drafter without a model)."""
 
     output_index: int
     position: int
@@ -28,6 +29,7 @@ class LooseToken:
     top_prob: float
     ratio: float
     rank: int
+    draft_confidence: float | None = None
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,20 @@ def plausible(
     return ok
 
 
+def draft_unsure(
+    draft_confidence: torch.Tensor | None, num_positions: int, *, max_draft_confidence: float
+) -> torch.Tensor:
+    """The draft's doubt: where the draft model gave its own token at most
+    ``max_draft_confidence``. ``float[T] | None -> bool[T]``.
+
+    1 switches the test off. ``None`` (a drafter without a model, such as prompt lookup)
+    counts as sure, so with the test on nothing of it is loosened.
+    """
+    if max_draft_confidence >= 1 or draft_confidence is None:
+        return torch.full((num_positions,), max_draft_confidence >= 1, dtype=torch.bool)
+    return draft_confidence <= max_draft_confidence
+
+
 def loosening_candidates(
     accepted: torch.Tensor,
     target_logits: torch.Tensor,
@@ -218,13 +232,18 @@ def loosening_candidates(
     allowed: torch.Tensor,
     *,
     fly: FlyConfig,
+    draft_confidence: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rejected positions that FLy keeps if their window holds: ``allowed`` (the target could
-    emit the draft token at all), past the entropy gate, above the plausibility floor.
-    ``bool[T], [T, V], long[T], bool[T] -> bool[T]``."""
+    emit the draft token at all), past the entropy gate, above the plausibility floor, and
+    where the draft was unsure enough (:func:`draft_unsure`).
+    ``bool[T], [T, V], long[T], bool[T], float[T] | None -> bool[T]``."""
     entropy = target_entropy(target_logits, fly.entropy)
     floor = plausible(target_logits, draft_tokens, min_ratio=fly.min_ratio, max_rank=fly.max_rank)
-    return ~accepted & allowed & (entropy >= fly.theta) & floor
+    doubt = draft_unsure(
+        draft_confidence, accepted.shape[0], max_draft_confidence=fly.max_draft_confidence
+    ).to(accepted.device)
+    return ~accepted & allowed & (entropy >= fly.theta) & floor & doubt
 
 
 def loosely_accepted(
@@ -235,11 +254,14 @@ def loosely_accepted(
     *,
     fly: FlyConfig,
     cu_num_drafted: torch.Tensor | None = None,
+    draft_confidence: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FLy's loosely accepted positions: :func:`loosening_candidates` whose deferred window
     holds inside their block. ``bool[T], [T, V], long[T], bool[T] -> bool[T]``; one block, or
     a flattened batch of ragged blocks with ``cu_num_drafted`` as in :func:`window_holds`."""
-    candidates = loosening_candidates(accepted, target_logits, draft_tokens, allowed, fly=fly)
+    candidates = loosening_candidates(
+        accepted, target_logits, draft_tokens, allowed, fly=fly, draft_confidence=draft_confidence
+    )
     return candidates & window_holds(accepted, window=fly.window, cu_num_drafted=cu_num_drafted)
 
 
@@ -361,11 +383,13 @@ def verify_greedy(
     target_logits: torch.Tensor,
     *,
     fly: FlyConfig | None,
+    draft_confidence: torch.Tensor | None = None,
 ) -> Verdict:
     """Greedy verification (temperature 0), exact or FLy.
 
-    ``draft_tokens``: ``long[K]``; ``target_logits``: ``[K+1, V]``. With ``fly=None`` the
-    result is lossless: the emitted tokens are exactly the target's greedy tokens.
+    ``draft_tokens``: ``long[K]``; ``target_logits``: ``[K+1, V]``; ``draft_confidence``:
+    ``float[K]`` or None (:func:`draft_unsure`). With ``fly=None`` the result is lossless: the
+    emitted tokens are exactly the target's greedy tokens.
     """
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     num_drafted = draft_tokens.shape[0]
@@ -374,7 +398,14 @@ def verify_greedy(
     if fly is not None and num_drafted and not bool(accepted.all()):
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
-        candidates = loosening_candidates(accepted, block_logits, draft_tokens, possible, fly=fly)
+        candidates = loosening_candidates(
+            accepted,
+            block_logits,
+            draft_tokens,
+            possible,
+            fly=fly,
+            draft_confidence=draft_confidence,
+        )
     return _verdict(
         accepted=accepted,
         candidates=candidates,
@@ -414,13 +445,15 @@ def verify_sampling(
     fly: FlyConfig | None,
     target_logits: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    draft_confidence: torch.Tensor | None = None,
 ) -> Verdict:
     """Lossless speculative sampling, optionally loosened by FLy.
 
     ``draft_tokens``: ``long[K]``; ``draft_probs``: ``[K, V]`` the distributions the draft
     sampled from, or None for a deterministic (greedy or n-gram) draft, i.e. one-hot;
     ``target_probs``: ``[K+1, V]`` from :func:`sampling_probs`; ``target_logits``: the raw
-    ``[K+1, V]`` logits the FLy gate measures entropy on (needed when ``fly`` is set).
+    ``[K+1, V]`` logits the FLy gate measures entropy on (needed when ``fly`` is set);
+    ``draft_confidence``: ``float[K]`` or None (:func:`draft_unsure`).
 
     Position ``i`` is accepted with probability ``min(1, target/draft)`` at the draft token;
     FLy then loosely keeps some rejected positions, never one the target gives probability 0.
@@ -441,7 +474,12 @@ def verify_sampling(
         if target_logits is None:
             raise ValueError("target_logits are needed for the FLy entropy gate")
         candidates = loosening_candidates(
-            accepted, target_logits[:num_drafted], draft_tokens, target_at_draft > 0, fly=fly
+            accepted,
+            target_logits[:num_drafted],
+            draft_tokens,
+            target_at_draft > 0,
+            fly=fly,
+            draft_confidence=draft_confidence,
         )
 
     def next_token_at(cut: int) -> int:

@@ -19,6 +19,7 @@ GRID = {
     "window": "4,6",
     "min_ratio": "0,0.1",
     "max_rank": "0",
+    "max_draft_confidence": "1",
     "defer": "off",
 }
 """The rules tried by default: 12, from the paper's default to a near-exact one."""

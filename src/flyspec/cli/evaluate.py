@@ -28,6 +28,7 @@ PAPER_RULE = {
     "window": str(cfg.DEFAULT_WINDOW),
     "min_ratio": "0",
     "max_rank": "0",
+    "max_draft_confidence": "1",
     "defer": "off",
 }
 """The FLy rule ``flyspec eval`` measures unless told otherwise: the paper's default."""
@@ -91,6 +92,13 @@ def add_evaluation_arguments(
         default=rules["max_rank"],
         help="FLy plausibility floor(s): the draft token among the target's top N, "
         f"comma-separated (default {rules['max_rank']}; 0: off)",
+    )
+    parser.add_argument(
+        "--max-draft-confidence",
+        default=rules["max_draft_confidence"],
+        help="FLy draft's doubt: loosen only where the draft model gave its own token at most "
+        f"this probability, comma-separated, e.g. 1,0.5 (default {rules['max_draft_confidence']}; "
+        "1: off)",
     )
     parser.add_argument(
         "--defer",
@@ -214,6 +222,9 @@ def evaluation_settings(args: argparse.Namespace, modes: list[str], *, limit: st
         "window": _numbers(args.window, int, "--window"),
         "min_ratio": _numbers(args.min_ratio, float, "--min-ratio"),
         "max_rank": _numbers(args.max_rank, int, "--max-rank"),
+        "max_draft_confidence": _numbers(
+            args.max_draft_confidence, float, "--max-draft-confidence"
+        ),
         "defer": _switches(args.defer),
     }
     base = decode_config_from_args(

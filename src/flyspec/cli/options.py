@@ -177,7 +177,7 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
     )
 
 
-LOOSENING_OPTIONS = ("theta", "window", "min_ratio", "max_rank", "defer")
+LOOSENING_OPTIONS = ("theta", "window", "min_ratio", "max_rank", "max_draft_confidence", "defer")
 """The destinations of the FLy rule's options (``flyspec eval`` takes lists of them)."""
 
 RULE_OPTIONS = (*LOOSENING_OPTIONS, "entropy")
@@ -240,6 +240,16 @@ def add_decode_arguments(
                 default=None,
                 help="plausibility floor: loosen only draft tokens among the target's top N "
                 "(default 0: off, or the pair's calibrated rule)",
+            ),
+        ),
+        (
+            ("--max-draft-confidence",),
+            dict(
+                type=number,
+                default=None,
+                help="the draft's doubt: loosen a mismatch only where the draft model gave its "
+                "own token at most this probability (default 1: off, or the pair's calibrated "
+                "rule)",
             ),
         ),
         (

@@ -11,11 +11,14 @@ import torch
 
 @dataclass(frozen=True)
 class Draft:
-    """A proposed block: ``tokens`` ``long[K]`` and, for a sampled draft, the distributions
-    ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot)."""
+    """A proposed block: ``tokens`` ``long[K]``; for a sampled draft, the distributions
+    ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot); and the
+    draft model's ``confidence`` ``float[K]`` in each of its tokens (:func:`token_confidence`;
+    None for drafters without a model, such as prompt lookup)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -40,20 +43,23 @@ class Drafter(Protocol):
         ...
 
 
-def first_unconfident(
-    logits: torch.Tensor, tokens: torch.Tensor, min_confidence: float
-) -> int | None:
-    """Index of the first of ``tokens`` ``long[n]`` to which the draft model gave a probability
-    below ``min_confidence`` (its softmax over ``logits`` ``[n, V]``, at temperature 1), or
-    None when there is none or the check is off (``min_confidence == 0``).
+def token_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The draft model's probability of each of ``tokens`` ``long[n]``: the softmax of its raw
+    ``logits`` ``[n, V]`` (temperature 1, whatever it sampled at). ``-> float[n]``."""
+    return torch.softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+
+def first_unconfident(confidence: torch.Tensor, min_confidence: float) -> int | None:
+    """Index of the first token whose ``confidence`` ``float[n]`` (:func:`token_confidence`)
+    is below ``min_confidence``, or None when there is none or the check is off
+    (``min_confidence == 0``).
 
     A drafter ends its block after that token: the tokens it would draft next are likely to be
     rejected, so their forwards are saved.
     """
     if min_confidence <= 0:
         return None
-    probability = torch.softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
-    unconfident = (probability < min_confidence).nonzero()
+    unconfident = (confidence < min_confidence).nonzero()
     return int(unconfident[0, 0]) if unconfident.numel() else None
 
 

@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
-from flyspec.drafters.base import Draft, end_index, first_unconfident
+from flyspec.drafters.base import Draft, end_index, first_unconfident, token_confidence
 from flyspec.drafters.ngram import find_ngram_continuation
 from flyspec.models.cache import CachedLM
 
@@ -42,6 +42,7 @@ class MlaDrafter:
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sequence = list(context)
         tokens: list[int] = []
+        confidence: list[torch.Tensor] = []
         while len(tokens) < k:
             # Room for the proposal plus the draft model's own token.
             room = min(self.proposals, k - len(tokens) - 1)
@@ -54,17 +55,21 @@ class MlaDrafter:
             step = proposal[:matches] + [int(greedy[matches])]
             self.proposed += len(proposal)
             self.kept += matches
-            unsure_at = first_unconfident(
-                logits[: len(step)], greedy[: len(step)], self.min_confidence
-            )
+            step_confidence = token_confidence(logits[: len(step)], greedy[: len(step)]).cpu()
+            unsure_at = first_unconfident(step_confidence, self.min_confidence)
             ends_at = end_index(step, self.end_tokens)
             cut = min((i for i in (unsure_at, ends_at) if i is not None), default=None)
             if cut is not None:
                 tokens.extend(step[: cut + 1])
+                confidence.append(step_confidence[: cut + 1])
                 break
             tokens.extend(step)
+            confidence.append(step_confidence)
             sequence.extend(step)
-        return Draft(tokens=torch.tensor(tokens[:k], dtype=torch.long))
+        return Draft(
+            tokens=torch.tensor(tokens[:k], dtype=torch.long),
+            confidence=torch.cat(confidence)[:k] if confidence else None,
+        )
 
     def reset(self) -> None:
         self.lm.reset()

@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import SamplingConfig
-from flyspec.drafters.base import Draft, first_unconfident
+from flyspec.drafters.base import Draft, first_unconfident, token_confidence
 from flyspec.models.cache import CachedLM
 from flyspec.verify import sampling_probs
 
@@ -37,6 +37,7 @@ class ModelDrafter:
         sequence = list(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        confidence: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.lm.logits(sequence, 1)[0]  # [V]
             if self.sampling.greedy:
@@ -47,14 +48,16 @@ class ModelDrafter:
                 probs.append(step_probs)
             tokens.append(token)
             sequence.append(token)
+            chosen = torch.tensor([token], device=logits.device)
+            confidence.append(token_confidence(logits[None], chosen).cpu())
             if token in self.end_tokens:
                 break
-            chosen = torch.tensor([token], device=logits.device)
-            if first_unconfident(logits[None], chosen, self.min_confidence) is not None:
+            if first_unconfident(confidence[-1], self.min_confidence) is not None:
                 break
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
             probs=torch.stack(probs) if probs else None,
+            confidence=torch.cat(confidence) if confidence else None,
         )
 
     def reset(self) -> None:

@@ -5,24 +5,26 @@ harmless loosening can be read off (the evidence behind the rules beyond the pap
 A token's *outcome* is its problem's: ``lost`` (the target solved it, the method did not),
 ``gained`` (the other way round) or ``unchanged``. A problem's tokens share its outcome, so a
 harmless token in a lost problem counts as lost: the tables compare groups, not single tokens.
-The *floor table* asks, for plausibility floors the method did not use, which share of the
-loose tokens of each group the floor would have refused, and in how many lost problems it
-would have refused every loose token. Refusing a token changes what follows it, so this is a
-guide for choosing candidates, not a measurement of them: only a run with the floor on is.
+The *floor table* asks, for plausibility floors and draft-confidence caps the method did not
+use, which share of the loose tokens of each group the rule would have refused, and in how
+many lost problems it would have refused every loose token. Refusing a token changes what
+follows it, so this is a guide for choosing candidates, not a measurement of them: only a run
+with the rule on is.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flyspec.evaluation.runner import EvalMethod, Sample
 
-FEATURES = ("entropy", "draft_prob", "ratio", "rank", "position")
+FEATURES = ("entropy", "draft_prob", "ratio", "rank", "position", "draft_confidence")
 OUTCOMES = ("lost", "unchanged", "gained")
 RATIO_FLOORS = (0.05, 0.1, 0.2, 0.3, 0.5)
 RANK_FLOORS = (2, 3, 5)
+DRAFT_CONFIDENCE_CAPS = (0.3, 0.5, 0.7, 0.9)
 
 
 def _outcome(sample: Sample, target: Sample | None) -> str | None:
@@ -75,7 +77,7 @@ def _feature_summaries(records: Sequence[dict]) -> dict:
             "problems": len({r["problem_id"] for r in group}),
         }
         for feature in FEATURES:
-            values = sorted(float(r[feature]) for r in group)
+            values = sorted(float(r[feature]) for r in group if r.get(feature) is not None)
             summaries[outcome][feature] = _quartiles(values)
     return summaries
 
@@ -90,16 +92,33 @@ def _quartiles(values: Sequence[float]) -> list[float] | None:
     return [low, median, high]
 
 
+def _refusals() -> list[tuple[str, Callable[[dict], bool | None]]]:
+    """(name, whether the rule refuses a record) for each candidate rule of the floor table;
+    None where a record lacks the feature (made before it was recorded)."""
+    rules: list[tuple[str, Callable[[dict], bool | None]]] = []
+    for value in RATIO_FLOORS:
+        rules.append((f"ratio >= {value:g}", lambda r, v=value: r["ratio"] < v))
+    for value in RANK_FLOORS:
+        rules.append((f"rank <= {value}", lambda r, v=value: r["rank"] > v))
+    for value in DRAFT_CONFIDENCE_CAPS:
+        rules.append(
+            (
+                f"draft confidence <= {value:g}",
+                lambda r, v=value: (
+                    None if r.get("draft_confidence") is None else r["draft_confidence"] > v
+                ),
+            )
+        )
+    return rules
+
+
 def _floor_table(records: Sequence[dict]) -> list[dict]:
-    floors = [("ratio", value) for value in RATIO_FLOORS] + [
-        ("rank", value) for value in RANK_FLOORS
-    ]
     table = []
-    for kind, value in floors:
-        refused = [
-            (r["ratio"] < value) if kind == "ratio" else (r["rank"] > value) for r in records
-        ]
-        row = {"floor": f"ratio >= {value:g}" if kind == "ratio" else f"rank <= {value}"}
+    for name, refuses in _refusals():
+        refused = [refuses(r) for r in records]
+        if any(hit is None for hit in refused):
+            continue
+        row = {"floor": name}
         for outcome in OUTCOMES:
             group = [
                 hit for hit, r in zip(refused, records, strict=True) if r["outcome"] == outcome
@@ -144,10 +163,11 @@ def render_markdown(analysis: dict) -> list[str]:
                 )
             lines += [
                 "",
-                "Share of loose tokens a plausibility floor would have refused, and lost "
-                "problems in which it would have refused every loose token:",
+                "Share of loose tokens a plausibility floor or a draft-confidence cap would "
+                "have refused, and lost problems in which it would have refused every loose "
+                "token:",
                 "",
-                "| floor | lost | unchanged | gained | lost problems fully refused |",
+                "| rule | lost | unchanged | gained | lost problems fully refused |",
                 "|---|---|---|---|---|",
             ]
             for row in summary["floors"]:

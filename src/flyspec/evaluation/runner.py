@@ -52,6 +52,7 @@ class EvalMethod:
             "window": rule.get("window"),
             "min_ratio": rule.get("min_ratio"),
             "max_rank": rule.get("max_rank"),
+            "max_draft_confidence": rule.get("max_draft_confidence"),
             "defer": rule.get("defer"),
         }
 
@@ -64,18 +65,23 @@ def _rule_parts(fly: FlyConfig) -> list[tuple[str, str]]:
         parts.append((f"ratio{fly.min_ratio:g}", f"ratio≥{fly.min_ratio:g}"))
     if fly.max_rank > 0:
         parts.append((f"rank{fly.max_rank}", f"top-{fly.max_rank}"))
+    if fly.max_draft_confidence < 1:
+        value = f"{fly.max_draft_confidence:g}"
+        parts.append((f"doubt{value}", f"draft≤{value}"))
     if fly.defer:
         parts.append(("defer", "deferred"))
     return parts
 
 
 def fly_label(fly: FlyConfig) -> str:
-    """``FLy θ=0.3 W=6``, with ``ratio≥r``, ``top-n``, ``deferred`` for the rules on."""
+    """``FLy θ=0.3 W=6``, with ``ratio≥r``, ``top-n``, ``draft≤c``, ``deferred`` for the rules
+    on."""
     return "FLy " + " ".join(label for _, label in _rule_parts(fly))
 
 
 def fly_name(fly: FlyConfig) -> str:
-    """``fly-theta0.3-w6``, with ``-ratio<r>``, ``-rank<n>``, ``-defer`` for the rules on."""
+    """``fly-theta0.3-w6``, with ``-ratio<r>``, ``-rank<n>``, ``-doubt<c>``, ``-defer`` for the
+    rules on."""
     return "fly-" + "-".join(name for name, _ in _rule_parts(fly))
 
 

@@ -7,7 +7,8 @@ Standard OpenAI fields the server does not implement are accepted only at their 
 
 FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
 ``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, the rules
-beyond the paper ``min_ratio``, ``max_rank`` and ``defer``, plus ``top_k``. Their ranges are
+beyond the paper ``min_ratio``, ``max_rank``, ``max_draft_confidence`` and ``defer``, plus
+``top_k``. Their ranges are
 checked by :mod:`flyspec.config`, not here.
 
 :func:`parse_request` turns a raw body into a request model: it checks the media type, UTF-8,
@@ -238,6 +239,7 @@ class _Request(BaseModel):
     entropy: str | None = None
     min_ratio: float | None = None
     max_rank: int | None = None
+    max_draft_confidence: float | None = None
     defer: bool | None = None
     top_k: int | None = None
 

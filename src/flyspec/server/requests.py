@@ -26,6 +26,7 @@ _CONFIG_PARAMS = {
             "entropy",
             "min_ratio",
             "max_rank",
+            "max_draft_confidence",
             "defer",
             "temperature",
             "top_k",
@@ -50,7 +51,15 @@ def request_config(
 
     try:
         fly = defaults.fly
-        rule_fields = ("window", "theta", "entropy", "min_ratio", "max_rank", "defer")
+        rule_fields = (
+            "window",
+            "theta",
+            "entropy",
+            "min_ratio",
+            "max_rank",
+            "max_draft_confidence",
+            "defer",
+        )
         overrides = {name: getattr(body, name) for name in rule_fields}
         if any(value is not None for value in overrides.values()):
             fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})

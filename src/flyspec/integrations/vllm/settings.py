@@ -119,6 +119,13 @@ def additional_config(fly: FlyConfig | None) -> dict[str, Any]:
             "deferral across blocks (--defer, which a pair's calibrated rule may set) is not "
             "available inside vLLM: give --no-defer, or use flyspec's own engine"
         )
+    if fly.max_draft_confidence < 1:
+        raise VllmPluginError(
+            "the draft's doubt (--max-draft-confidence, which a pair's calibrated rule may set) "
+            "is not available inside vLLM, whose proposers do not pass the draft model's "
+            "probabilities of greedy tokens: give --max-draft-confidence 1, or use flyspec's "
+            "own engine"
+        )
     section = {
         "rejection_sample_method": "fly",
         "fly_window_size": fly.window,
