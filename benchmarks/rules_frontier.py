@@ -37,7 +37,7 @@ def beyond_paper(summary: dict) -> bool:
     made before those rules existed lack their fields: off)."""
     rules = {
         name: summary[name]
-        for name in ("min_ratio", "max_rank", "defer")
+        for name in ("min_ratio", "max_rank", "max_draft_confidence", "defer")
         if summary.get(name) is not None
     }
     return FlyConfig(**rules).beyond_paper

@@ -52,6 +52,8 @@ class TestChoice:
         assert fly_settings(FlyConfig()) == "--theta 0.3 --window 6"
         rule = FlyConfig(theta=1.0, window=4, min_ratio=0.1, max_rank=3, defer=True)
         assert fly_settings(rule) == "--theta 1 --window 4 --min-ratio 0.1 --max-rank 3 --defer"
+        doubt = FlyConfig(max_draft_confidence=0.5)
+        assert fly_settings(doubt) == "--theta 0.3 --window 6 --max-draft-confidence 0.5"
 
 
 def calibration(**fly) -> Calibration:

@@ -47,6 +47,8 @@ def assert_one_line_error(code, err, fragment):
         (["generate", "x", "--drafter", "mla", "--draft-temperature", "1"], "mla drafter"),
         (["generate", "x", "--draft-confidence", "1"], "draft_confidence must be"),
         (["generate", "x", "--draft-confidence", "nan"], "draft_confidence must be"),
+        (["generate", "x", "--max-draft-confidence", "1.5"], "max_draft_confidence must be"),
+        (["eval", "--max-draft-confidence", "0.5,x"], "--max-draft-confidence"),
         (["bench", "--methods", "fly,vllm-fly"], "vllm-fly run in vLLM: add --engine vllm"),
         (["bench", "--engine", "vllm", "--concurrency", "0"], "--concurrency must be >= 1"),
         (["generate", "x", "--seed", str(2**64)], "seed must be an integer in [0, 2**63 - 1]"),

@@ -290,13 +290,19 @@ def test_methods_from_a_sweep():
     assert names[:2] == ["target", "spd"] and len(names) == 8
     assert "fly-theta0-w4" in names and "fly-theta0.3-w6" in names
     assert [m.name for m in build_methods(["fly"], FlyConfig())] == ["fly"]
-    rules = {"min_ratio": [0.0, 0.1], "max_rank": [0, 5], "defer": [False, True]}
+    rules = {
+        "min_ratio": [0.0, 0.1],
+        "max_rank": [0, 5],
+        "max_draft_confidence": [1.0, 0.5],
+        "defer": [False, True],
+    }
     methods = build_methods(["fly"], FlyConfig(), rules)
-    assert len(methods) == 8
+    assert len(methods) == 16
     last = methods[-1]
-    assert last.name == "fly-theta0.3-w6-ratio0.1-rank5-defer"
-    assert last.label == "FLy θ=0.3 W=6 ratio≥0.1 top-5 deferred"
-    assert last.fly == FlyConfig(min_ratio=0.1, max_rank=5, defer=True)
+    assert last.name == "fly-theta0.3-w6-ratio0.1-rank5-doubt0.5-defer"
+    assert last.label == "FLy θ=0.3 W=6 ratio≥0.1 top-5 draft≤0.5 deferred"
+    assert last.fly == FlyConfig(min_ratio=0.1, max_rank=5, max_draft_confidence=0.5, defer=True)
+    assert last.as_dict()["max_draft_confidence"] == 0.5
     assert last.as_dict()["defer"] is True and methods[0].as_dict()["min_ratio"] == 0.0
 
 
