@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
-from flyspec.config import ConfigError, DecodeConfig, SamplingConfig
+from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig
 from flyspec.server.protocol import (
     MESSAGE_LIMIT,
     APIError,
@@ -13,26 +14,14 @@ from flyspec.server.protocol import (
     clip,
 )
 
+# The FLy rule's settings a request can set: every field of FlyConfig.
+_RULE_FIELDS = tuple(field.name for field in dataclasses.fields(FlyConfig))
+
 # The settings a request can set, by DecodeConfig's name -> the request field's name.
 _CONFIG_PARAMS = {
     **{
         name: name
-        for name in (
-            "mode",
-            "drafter",
-            "k",
-            "window",
-            "theta",
-            "entropy",
-            "min_ratio",
-            "max_rank",
-            "max_draft_confidence",
-            "defer",
-            "temperature",
-            "top_k",
-            "top_p",
-            "stop",
-        )
+        for name in ("mode", "drafter", "k", *_RULE_FIELDS, "temperature", "top_k", "top_p", "stop")
     },
     "max_new_tokens": "max_tokens",
 }
@@ -51,16 +40,7 @@ def request_config(
 
     try:
         fly = defaults.fly
-        rule_fields = (
-            "window",
-            "theta",
-            "entropy",
-            "min_ratio",
-            "max_rank",
-            "max_draft_confidence",
-            "defer",
-        )
-        overrides = {name: getattr(body, name) for name in rule_fields}
+        overrides = {name: getattr(body, name) for name in _RULE_FIELDS}
         if any(value is not None for value in overrides.values()):
             fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})
         sampling = defaults.sampling
