@@ -18,9 +18,9 @@ Beyond the paper (all off by default, so the default rule is the paper's):
   top token, and the draft token is among its ``max_rank`` most likely tokens.
 * ``max_draft_confidence`` asks the draft model to be unsure too: a mismatch is loosened only
   where the draft model gave its own token at most this probability (softmax of its raw
-  logits). Where both models are unsure, the two tokens are more often two ways of saying the
-  same thing; where the draft was sure of a token the target doubts, the draft is more often
-  wrong. A drafter that gives no probabilities (prompt lookup) counts as sure.
+  logits), on the idea that where both models hesitate the two tokens are often two ways of
+  saying the same thing (docs/rules.md measures how far that holds). A drafter that gives no
+  probabilities (prompt lookup) counts as sure.
 * ``defer`` carries a mismatch whose window does not fit in its block into the next block:
   its tokens are held back until the window completes there, or rolled back to the target's
   correction when it fails.
