@@ -18,14 +18,16 @@ import json
 import sys
 from pathlib import Path
 
+from flyspec.evaluation.cache import GenerationCache
+
 CAPS = (0.3, 0.5, 0.7, 0.9)
 
 
-def cached_token_ids(cache_dir: Path, key: str) -> list[int]:
-    path = cache_dir / key[:2] / f"{key}.json"
-    if not path.is_file():
-        raise SystemExit(f"draft_view: generation {key} is not in the cache {cache_dir}")
-    return json.loads(path.read_text(encoding="utf-8"))["token_ids"]
+def cached_token_ids(cache: GenerationCache, key: str) -> list[int]:
+    entry = cache.get(key)
+    if entry is None:
+        raise SystemExit(f"draft_view: generation {key} is not in the cache {cache.folder}")
+    return entry["token_ids"]
 
 
 def draft_view(payload: dict, method: str, draft_path: str) -> list[dict]:
@@ -39,7 +41,7 @@ def draft_view(payload: dict, method: str, draft_path: str) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(draft_path)
     model = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
     chat = payload["settings"]["prompt_style"] == "chat template"
-    cache_dir = Path(payload["cache"]["dir"])
+    cache = GenerationCache(payload["cache"]["dir"])
     samples = {(s["task"], s["problem_id"], s["method"]): s for s in payload["samples"]}
     rows = []
     for task_name, per_method in payload["loosening"].items():
@@ -49,7 +51,7 @@ def draft_view(payload: dict, method: str, draft_path: str) -> list[dict]:
         problems = {task.problem_id(p): p for p in load_problems(task_name, None)}
         for record in per_method[method]["tokens"]:
             sample = samples[(task_name, record["problem_id"], method)]
-            output = cached_token_ids(cache_dir, sample["cache_key"])
+            output = cached_token_ids(cache, sample["cache_key"])
             prompt = task.prompt(problems[record["problem_id"]], chat=chat).token_ids(tokenizer)
             index = record["output_index"]
             with torch.inference_mode():
