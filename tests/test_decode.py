@@ -14,7 +14,7 @@ from flyspec.config import (
     SamplingConfig,
 )
 from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import MlaDrafter, ModelDrafter, NgramDrafter
+from flyspec.drafters import Draft, MlaDrafter, ModelDrafter, NgramDrafter
 from flyspec.models.cache import CachedLM, TransformersForward, crop_cache
 from flyspec.stats import RequestStats
 from flyspec.verify import sampling_probs
@@ -471,3 +471,50 @@ def test_stopping_inside_held_tokens_counts_only_delivered_ones(target, close_dr
         events.close()
         assert stats.emitted == len(received) == stop_after
         assert stats.finish_reason == "cancelled"
+
+
+SEED_REJECTING_THE_DRAFT = 0
+"""A seed whose first uniform draw (0.50) rejects the mismatching draft token by sampling."""
+
+
+class FixedDrafter:
+    """Proposes the same block every round."""
+
+    def __init__(self, block: list[int]) -> None:
+        self.block = torch.tensor(block, dtype=torch.long)
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context, k):
+        return Draft(tokens=self.block[:k])
+
+    def observe(self, num_drafted: int, num_kept: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("temperature, expected_origin", [(4.0, "loose"), (1.0, "correction")])
+def test_the_gate_reads_the_distribution_the_target_samples_from(
+    target, temperature, expected_origin
+):
+    """At T > 0 FLy's entropy gate reads the logits after temperature (as vLLM's own FLy and
+    its plugin do): a mismatch the raw logits call certain (top-3 entropy 0.003 nats) is
+    uncertain at T = 4 (0.37 nats) and is loosened there."""
+    block = [5, 6, 7]
+    raw = torch.full((len(block) + 1, 64), -30.0)
+    raw[0, 4], raw[0, 5] = 0.0, -8.0  # the target prefers 4 to the drafted 5
+    raw[1, 6] = raw[2, 7] = raw[3, 8] = 30.0  # the rest of the block matches, then a bonus
+    decoder = SpeculativeDecoder(target)
+    raw = raw[:, : decoder.vocab_size]
+    decoder.target.logits = lambda tokens, num_logits=1: raw[-num_logits:]
+    config = DecodeConfig(
+        mode="fly",
+        k=len(block),
+        max_new_tokens=len(block) + 1,
+        fly=FlyConfig(window=2, theta=0.3),
+        sampling=SamplingConfig(temperature=temperature, seed=SEED_REJECTING_THE_DRAFT),
+    )
+    events = list(decoder.stream([1, 2], config, drafter=FixedDrafter(block)))
+    assert events[0].origin == expected_origin
+    if expected_origin == "loose":
+        assert [event.token for event in events] == [5, 6, 7, 8]

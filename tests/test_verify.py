@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.verify import (
@@ -51,6 +52,28 @@ class TestEntropy:
         # Uniform over V=8: each p = 1/8, three of them: 3 * (1/8) * ln 8.
         h = top3_entropy(torch.zeros(1, V))
         assert h[0] == pytest.approx(3 / 8 * math.log(8), abs=1e-6)
+
+    def test_top3_entropy_of_rows_with_fewer_than_three_possible_tokens(self):
+        # top_k <= 2, a small top_p or allowed_token_ids leave -inf logits in the top 3: a
+        # token of probability 0 adds nothing (0 log 0 = 0), never NaN.
+        rows = torch.full((2, V), -math.inf)
+        rows[0, 4] = 1.0
+        rows[1, [2, 5]] = 0.0
+        h = top3_entropy(rows)
+        assert h[0] == pytest.approx(0.0, abs=1e-6)
+        assert h[1] == pytest.approx(math.log(2), abs=1e-6)
+
+    def test_a_row_masked_to_two_tokens_can_be_loosened(self):
+        rows = logits_for([1, 2, 3], [UNSURE, SURE, SURE])
+        rows[0, [0, *range(3, V)]] = -math.inf  # two possible tokens left, split evenly
+        loose = loosely_accepted(
+            torch.tensor([False, True, True]),
+            rows,
+            draft([2, 2, 3]),
+            torch.ones(3, dtype=torch.bool),
+            fly=FLY,
+        )
+        assert loose.tolist() == [True, False, False]
 
     def test_normalized_entropy_bounds(self):
         h = normalized_entropy(torch.stack([torch.zeros(V), logits_for([3])[0]]))
@@ -292,3 +315,41 @@ class TestSpeculativeSampling:
         certain[1, 6] = 1.0
         verdict = verify_sampling(draft([3]), None, certain, fly=None)
         assert verdict.is_bonus and verdict.next_token == 6
+
+
+class NoHostTensors(TorchDispatchMode):
+    """Records every operation that puts a tensor in host memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = out if isinstance(out, (tuple, list)) else [out]
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in outputs):
+            self.host_ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("max_draft_confidence", [1.0, 0.5])
+@pytest.mark.parametrize("with_confidence", [True, False])
+def test_the_batched_rule_builds_no_host_tensor_on_a_device(max_draft_confidence, with_confidence):
+    """On an accelerator a host tensor in the rule means a copy and a sync at every step; the
+    meta device stands in for one."""
+    meta = torch.device("meta")
+    fly = FlyConfig(window=1, theta=0.3, min_ratio=0.1, max_draft_confidence=max_draft_confidence)
+    accepted = torch.zeros(6, dtype=torch.bool, device=meta)
+    confidence = torch.zeros(6, device=meta) if with_confidence else None
+    with NoHostTensors() as mode:
+        loose = loosely_accepted(
+            accepted,
+            torch.zeros(6, V, device=meta),
+            torch.zeros(6, dtype=torch.long, device=meta),
+            accepted,
+            fly=fly,
+            cu_num_drafted=torch.tensor([2, 6], device=meta),
+            draft_confidence=confidence,
+        )
+    assert loose.device == meta
+    assert mode.host_ops == []

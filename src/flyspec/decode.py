@@ -30,7 +30,7 @@ from flyspec.stats import LooseToken, RequestStats, RoundStats
 from flyspec.verify import (
     Verdict,
     loose_token_features,
-    sampling_probs,
+    sampling_logits,
     verify_greedy,
     verify_sampling,
 )
@@ -44,7 +44,7 @@ __all__ = [
     "text_settings",
 ]
 
-DECODER_REVISION = 1
+DECODER_REVISION = 2
 """The revision of what the decoder emits. Bump it with every change that can alter the
 tokens emitted for some :class:`DecodeConfig` (verification, drafting, where blocks are cut
 near the budget or an end-of-sequence token): caches of generated text key on it, so no
@@ -352,7 +352,8 @@ class SpeculativeDecoder:
                 draft_confidence=draft.confidence,
             )
             return verdict, target_logits
-        target_probs = sampling_probs(target_logits, config.sampling)
+        verified_logits = sampling_logits(target_logits, config.sampling)
+        target_probs = verified_logits.softmax(dim=-1)
         draft_probs = draft.probs
         if draft_probs is not None:
             draft_probs = _resize_vocab(draft_probs.to(target_probs.device), target_probs.shape[-1])
@@ -361,7 +362,7 @@ class SpeculativeDecoder:
             draft_probs,
             target_probs,
             fly=config.fly_in_force,
-            target_logits=target_logits,
+            target_logits=verified_logits,
             generator=generator,
             draft_confidence=draft.confidence,
         )

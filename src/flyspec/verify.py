@@ -93,13 +93,15 @@ class Verdict:
 def top3_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy in nats restricted to the 3 most likely tokens: ``[..., V] -> [...]``.
 
-    The probabilities come from the full softmax of the raw logits and are not renormalised
-    (the authors' released gate). Only the top 3 logits and a logsumexp are needed.
+    The probabilities come from the full softmax of the logits and are not renormalised
+    (the authors' released gate). Only the top 3 logits and a logsumexp are needed. A token
+    of probability 0 (a logit of -inf: a row masked to fewer than 3 tokens) adds nothing.
     """
     logits = logits.float()
     top_logits = logits.topk(min(3, logits.shape[-1]), dim=-1).values
     top_log_probs = top_logits - logits.logsumexp(dim=-1, keepdim=True)
-    return -(top_log_probs.exp() * top_log_probs).sum(dim=-1)
+    terms = top_log_probs.exp() * top_log_probs
+    return -torch.where(top_log_probs > -math.inf, terms, torch.zeros_like(terms)).sum(dim=-1)
 
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -193,8 +195,8 @@ def plausible(
     ``[T, V], long[T] -> bool[T]``.
 
     The target's probability of the draft token must be at least ``min_ratio`` times that of
-    its top token (a ratio of the raw logits' softmax, so independent of the temperature and
-    of how many tokens share the mass), and the draft token must be among its ``max_rank``
+    its top token (a ratio within the softmax of the logits verified with, so independent of
+    how many tokens share the mass), and the draft token must be among its ``max_rank``
     most likely tokens (ties with the draft token count in its favour). 0 switches either
     test off. Negative (placeholder) draft ids are treated as token 0: callers mask them.
     """
@@ -212,17 +214,23 @@ def plausible(
 
 
 def draft_unsure(
-    draft_confidence: torch.Tensor | None, num_positions: int, *, max_draft_confidence: float
+    draft_confidence: torch.Tensor | None,
+    num_positions: int,
+    *,
+    max_draft_confidence: float,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The draft's doubt: where the draft model gave its own token at most
-    ``max_draft_confidence``. ``float[T] | None -> bool[T]``.
+    ``max_draft_confidence``. ``float[T] | None -> bool[T]`` on ``device``.
 
     1 switches the test off. ``None`` (a drafter without a model, such as prompt lookup)
     counts as sure, so with the test on nothing of it is loosened.
     """
     if max_draft_confidence >= 1 or draft_confidence is None:
-        return torch.full((num_positions,), max_draft_confidence >= 1, dtype=torch.bool)
-    return draft_confidence <= max_draft_confidence
+        return torch.full(
+            (num_positions,), max_draft_confidence >= 1, dtype=torch.bool, device=device
+        )
+    return (draft_confidence <= max_draft_confidence).to(device)
 
 
 def loosening_candidates(
@@ -241,8 +249,11 @@ def loosening_candidates(
     entropy = target_entropy(target_logits, fly.entropy)
     floor = plausible(target_logits, draft_tokens, min_ratio=fly.min_ratio, max_rank=fly.max_rank)
     doubt = draft_unsure(
-        draft_confidence, accepted.shape[0], max_draft_confidence=fly.max_draft_confidence
-    ).to(accepted.device)
+        draft_confidence,
+        accepted.shape[0],
+        max_draft_confidence=fly.max_draft_confidence,
+        device=accepted.device,
+    )
     return ~accepted & allowed & (entropy >= fly.theta) & floor & doubt
 
 
@@ -417,11 +428,12 @@ def verify_greedy(
 # --------------------------------------------------------------------------- temperature > 0
 
 
-def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Probabilities the target samples from: temperature, then top-k, then top-p. ``[..., V]``.
+def sampling_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The logits the target samples from: temperature, then top-k, then top-p, with -inf
+    outside top-k / top-p. ``[..., V]``. Requires ``sampling.temperature > 0``.
 
-    Requires ``sampling.temperature > 0``. Tokens outside top-k / top-p get probability 0.
-    """
+    FLy's gate and plausibility floor read these at T > 0, as vLLM's own FLy and its plugin
+    do (docs/design.md, "Which logits the rule reads")."""
     scaled = logits.float() / sampling.temperature
     if sampling.top_k and sampling.top_k < scaled.shape[-1]:
         kth_largest = scaled.topk(sampling.top_k, dim=-1).values[..., -1:]
@@ -434,7 +446,13 @@ def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
         drop_sorted = mass_above >= sampling.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, -math.inf)
-    return scaled.softmax(dim=-1)
+    return scaled
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Probabilities the target samples from (the softmax of :func:`sampling_logits`):
+    ``[..., V]``, 0 outside top-k / top-p."""
+    return sampling_logits(logits, sampling).softmax(dim=-1)
 
 
 def verify_sampling(
@@ -451,8 +469,9 @@ def verify_sampling(
 
     ``draft_tokens``: ``long[K]``; ``draft_probs``: ``[K, V]`` the distributions the draft
     sampled from, or None for a deterministic (greedy or n-gram) draft, i.e. one-hot;
-    ``target_probs``: ``[K+1, V]`` from :func:`sampling_probs`; ``target_logits``: the raw
-    ``[K+1, V]`` logits the FLy gate measures entropy on (needed when ``fly`` is set);
+    ``target_probs``: ``[K+1, V]``, the softmax of ``target_logits``; ``target_logits``: the
+    ``[K+1, V]`` logits the target samples from (:func:`sampling_logits`), which FLy's gate
+    and floor read (needed when ``fly`` is set);
     ``draft_confidence``: ``float[K]`` or None (:func:`draft_unsure`).
 
     Position ``i`` is accepted with probability ``min(1, target/draft)`` at the draft token;
