@@ -71,6 +71,35 @@ SEAM_HELPERS = (
     "GREEDY_TEMPERATURE",
 )
 
+KERNEL_PARAMETERS = {
+    "_rejection_greedy_sample": (
+        "output_token_ids",
+        "cu_num_draft_tokens",
+        "draft_token_ids",
+        "target_argmax",
+        "bonus_token_ids",
+        "is_greedy",
+        "max_spec_len",
+        "uniform_probs",
+        "synthetic_conditional_rates",
+    ),
+    "_rejection_random_sample": (
+        "output_token_ids",
+        "cu_num_draft_tokens",
+        "draft_token_ids",
+        "draft_probs",
+        "target_probs",
+        "bonus_token_ids",
+        "recovered_token_ids",
+        "uniform_probs",
+        "is_greedy",
+        "max_spec_len",
+        "synthetic_conditional_rates",
+    ),
+}
+"""The parameters of the private kernels the plugin drives (vLLM 0.32.0); it passes them by
+name, and an engine whose kernels take others fails at start-up."""
+
 _ACTIVE_VERIFIER: contextvars.ContextVar[FlyVerifier | None] = contextvars.ContextVar(
     "flyspec_active_verifier", default=None
 )
@@ -90,12 +119,17 @@ def check_seam(module: ModuleType) -> None:
             f"{', '.join(missing or ['rejection_sample'])} (tested on vLLM {tested})"
         )
     original = getattr(function, "flyspec_original", function)
-    parameters = tuple(inspect.signature(original).parameters)
-    if parameters != SEAM_PARAMETERS:
-        raise VllmPluginError(
-            f"flyspec's FLy plugin does not know the rejection_sample{parameters} of {where} "
-            f"(tested on vLLM {tested})"
-        )
+    expected = {"rejection_sample": SEAM_PARAMETERS, **KERNEL_PARAMETERS}
+    found = {"rejection_sample": original} | {
+        name: getattr(module, name) for name in KERNEL_PARAMETERS
+    }
+    for name, callable_ in found.items():
+        parameters = tuple(inspect.signature(callable_).parameters)
+        if parameters != expected[name]:
+            raise VllmPluginError(
+                f"flyspec's FLy plugin does not know the {name}{parameters} of {where} "
+                f"(tested on vLLM {tested})"
+            )
 
 
 def expand_per_request(
@@ -184,7 +218,9 @@ class FlyVerifier:
             device=device,
         )
         all_greedy = sampling_metadata.all_greedy
-        is_greedy = None if all_greedy else sampling_metadata.temperature == 0
+        is_greedy = None
+        if not all_greedy:
+            is_greedy = sampling_metadata.temperature == vllm_rs.GREEDY_TEMPERATURE
         draft_ids = draft_token_ids.long()
         index = draft_ids.clamp_min(0)[:, None]
         real_draft = draft_ids >= 0
@@ -222,15 +258,15 @@ class FlyVerifier:
         if not sampling_metadata.all_random:
             greedy_targets = torch.where(loose, draft_ids, target_argmax)
             vllm_rs._rejection_greedy_sample(
-                output_token_ids,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                greedy_targets,
-                bonus_token_ids,
-                is_greedy,
-                max_spec_len,
-                None,
-                None,
+                output_token_ids=output_token_ids,
+                cu_num_draft_tokens=cu_num_draft_tokens,
+                draft_token_ids=draft_token_ids,
+                target_argmax=greedy_targets,
+                bonus_token_ids=bonus_token_ids,
+                is_greedy=is_greedy,
+                max_spec_len=max_spec_len,
+                uniform_probs=None,
+                synthetic_conditional_rates=None,
             )
             if all_greedy:
                 return output_token_ids
@@ -250,17 +286,17 @@ class FlyVerifier:
         # it, infinity rejects it, so the kernel emits the decisions made above.
         forced_draws = torch.where(kept, 0.0, math.inf).to(uniform_probs.dtype)
         vllm_rs._rejection_random_sample(
-            output_token_ids,
-            cu_num_draft_tokens,
-            draft_token_ids,
-            draft_probs,
-            target_probs,
-            bonus_token_ids,
-            recovered_token_ids,
-            forced_draws,
-            is_greedy,
-            max_spec_len,
-            None,
+            output_token_ids=output_token_ids,
+            cu_num_draft_tokens=cu_num_draft_tokens,
+            draft_token_ids=draft_token_ids,
+            draft_probs=draft_probs,
+            target_probs=target_probs,
+            bonus_token_ids=bonus_token_ids,
+            recovered_token_ids=recovered_token_ids,
+            uniform_probs=forced_draws,
+            is_greedy=is_greedy,
+            max_spec_len=max_spec_len,
+            synthetic_conditional_rates=None,
         )
         return output_token_ids
 
@@ -289,14 +325,22 @@ def current_additional_config() -> dict | None:
     return None if config is None else dict(config.additional_config or {})
 
 
-def build_verifier(spec_config) -> FlyVerifier | None:
+def build_verifier(
+    spec_config, device: torch.device | None, *, module: ModuleType | None = None
+) -> FlyVerifier | None:
     """The verifier a V1 rejection sampler of this engine runs, or None where the engine's
-    settings leave verification exact. Every check that can fail happens here, at start-up."""
+    settings leave verification exact. Every check that can fail happens here, at start-up.
+
+    ``device``: the sampler's (None: the platform's). ``module``: vLLM's rejection sampler
+    module (its default), which the verifier drives and the plugin may patch."""
     fly = settings_in_force(current_additional_config())
     if fly is None:
         return None
     import vllm
-    from vllm.v1.sample import rejection_sampler as vllm_rs
+
+    if module is None:
+        from vllm.v1.sample import rejection_sampler as module
+    vllm_rs = module
 
     check_seam(vllm_rs)
     if spec_config is not None and spec_config.rejection_sample_method != "standard":
@@ -320,6 +364,31 @@ def build_verifier(spec_config) -> FlyVerifier | None:
         )
     if getattr(vllm_rs.rejection_sample, "flyspec_original", None) is None:
         vllm_rs.rejection_sample = dispatching_rejection_sample(vllm_rs.rejection_sample)
+    if runs_on_cpu(device):
+        work_around_cpu_bugs(vllm_rs)
+    logger.info(
+        "flyspec FLy on: window %d, theta %s, %s entropy (additional_config['%s'])",
+        fly.window,
+        fly.theta,
+        fly.entropy,
+        SECTION,
+    )
+    return FlyVerifier(fly, module=vllm_rs, counter=LooseCounter.for_this_process())
+
+
+def runs_on_cpu(device: torch.device | None) -> bool:
+    """Whether a sampler on ``device`` (None: the platform's) runs vLLM's CPU kernels."""
+    if device is not None:
+        return torch.device(device).type == "cpu"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def work_around_cpu_bugs(vllm_rs: ModuleType) -> None:
+    """Replace the helpers of vLLM's CPU build that give wrong results (docs/vllm.md). The
+    probes feed host tensors, which only the CPU build's helpers take: vLLM's Triton helpers
+    on an accelerator refuse them."""
     if not expansion_is_correct(vllm_rs.expand_batch_to_tokens):
         logger.warning(
             "vLLM's expand_batch_to_tokens returns wrong per-token temperatures and "
@@ -334,14 +403,6 @@ def build_verifier(spec_config) -> FlyVerifier | None:
             "platform; flyspec's FLy plugin skips the masking of such empty steps"
         )
         vllm_rs.apply_sampling_constraints = empty_batch_safe(vllm_rs.apply_sampling_constraints)
-    logger.info(
-        "flyspec FLy on: window %d, theta %s, %s entropy (additional_config['%s'])",
-        fly.window,
-        fly.theta,
-        fly.entropy,
-        SECTION,
-    )
-    return FlyVerifier(fly, module=vllm_rs, counter=LooseCounter.for_this_process())
 
 
 def fly_sampler_class(base: type) -> type:
@@ -350,7 +411,7 @@ def fly_sampler_class(base: type) -> type:
     class FlyRejectionSampler(base):
         def __init__(self, sampler, spec_config=None, device=None):
             super().__init__(sampler, spec_config, device)
-            self.flyspec_verifier = build_verifier(spec_config)
+            self.flyspec_verifier = build_verifier(spec_config, device)
 
         def forward(self, *args, **kwargs):
             if self.flyspec_verifier is None:
