@@ -51,6 +51,7 @@ def assert_one_line_error(code, err, fragment):
         (["eval", "--max-draft-confidence", "0.5,x"], "--max-draft-confidence"),
         (["bench", "--methods", "fly,vllm-fly"], "vllm-fly run in vLLM: add --engine vllm"),
         (["bench", "--engine", "vllm", "--concurrency", "0"], "--concurrency must be >= 1"),
+        (["serve", "--dry-run"], "--dry-run prints the command of a vLLM server"),
         (["generate", "x", "--seed", str(2**64)], "seed must be an integer in [0, 2**63 - 1]"),
         (["generate", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63 - 1]"),
         (["generate", "\udcff"], "the prompt is not valid UTF-8: byte 0xff at offset 0"),

@@ -1,5 +1,6 @@
 """The vLLM plugin's settings and engine mapping, without vLLM (tests/vllm has the rest)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,8 +8,8 @@ import pytest
 from flyspec.config import FlyConfig
 from flyspec.errors import FlyspecError
 from flyspec.integrations.vllm import VllmPluginError, additional_config, parse_settings
-from flyspec.integrations.vllm.launch import VllmEngineSpec
-from flyspec.integrations.vllm.settings import section_from
+from flyspec.integrations.vllm.launch import NATIVE_FLY_FIELDS, VllmEngineSpec, config_fields
+from flyspec.integrations.vllm.settings import section_from, section_refused_by_native_fly
 
 
 def test_no_section_leaves_verification_exact():
@@ -162,3 +163,87 @@ def test_the_plausibility_floor_reaches_vllm_and_deferral_and_the_draft_doubt_ar
         parse_settings({"fly_max_draft_confidence": 0.5})
     with pytest.raises(VllmPluginError, match="min_ratio"):
         parse_settings({"fly_min_ratio": 3})
+
+
+NATIVE = "0.34.0"
+
+
+def test_a_vllm_with_fly_built_in_gets_speculative_config_keys():
+    spec = VllmEngineSpec(
+        target="t", draft="d", k=9, fly=FlyConfig(window=4, theta=0.5), native_fly=NATIVE
+    )
+    assert spec.speculative_config() == {
+        "method": "draft_model",
+        "model": "d",
+        "num_speculative_tokens": 9,
+        "rejection_sample_method": "fly",
+        "fly_window_size": 4,
+        "fly_entropy_threshold": 0.5,
+        "fly_entropy_top_k": 3,
+    }
+    assert spec.additional_config() == {}
+
+
+def test_exact_modes_on_a_vllm_with_fly_built_in_leave_its_verification_alone():
+    exact = VllmEngineSpec(target="t", draft="d", mode="spd", k=5, native_fly=NATIVE)
+    assert "rejection_sample_method" not in exact.speculative_config()
+    never = VllmEngineSpec(
+        target="t", draft="d", k=5, fly=FlyConfig(theta=math.inf), native_fly=NATIVE
+    )
+    assert never.speculative_config()["rejection_sample_method"] == "standard"
+    assert VllmEngineSpec(target="t", mode="target", native_fly=NATIVE).speculative_config() is None
+
+
+@pytest.mark.parametrize(
+    ("fly", "option"),
+    [
+        (FlyConfig(entropy="normalized"), "--entropy normalized"),
+        (FlyConfig(min_ratio=0.1), "--min-ratio"),
+        (FlyConfig(max_rank=3), "--max-rank"),
+        (FlyConfig(defer=True), "--defer"),
+        (FlyConfig(max_draft_confidence=0.5), "--max-draft-confidence"),
+        (FlyConfig(window=0), "--window 0"),
+    ],
+)
+def test_rules_vllms_own_fly_has_no_equivalent_of_are_refused_in_one_line(fly, option):
+    with pytest.raises(VllmPluginError) as raised:
+        VllmEngineSpec(target="t", draft="d", fly=fly, native_fly=NATIVE)
+    message = str(raised.value)
+    assert message.startswith(option) and f"vLLM {NATIVE}" in message and "\n" not in message
+
+
+def test_a_flyspec_section_on_a_vllm_with_fly_built_in_names_the_keys_to_use():
+    error = section_refused_by_native_fly({"fly_window_size": 4}, vllm_version=NATIVE)
+    message = str(error)
+    assert "remove additional_config['flyspec']" in message and "\n" not in message
+    assert (
+        '{"rejection_sample_method": "fly", "fly_window_size": 4, "fly_entropy_threshold": 0.3, '
+        '"fly_entropy_top_k": 3} to speculative_config' in message
+    )
+    refused = section_refused_by_native_fly({"fly_min_ratio": 0.2}, vllm_version=NATIVE)
+    assert str(refused).startswith("--min-ratio")
+
+
+def test_fly_built_in_is_read_from_the_config_fields():
+    @dataclasses.dataclass
+    class WithFly:
+        num_speculative_tokens: int = 1
+        rejection_sample_method: str = "standard"
+        fly_window_size: int | None = None
+        fly_entropy_threshold: float = 0.3
+        fly_entropy_top_k: int = 3
+
+    @dataclasses.dataclass
+    class WithoutFly:
+        num_speculative_tokens: int = 1
+        rejection_sample_method: str = "standard"
+
+    assert config_fields(WithFly) >= NATIVE_FLY_FIELDS
+    assert not config_fields(WithoutFly) >= NATIVE_FLY_FIELDS
+
+
+def test_a_window_that_does_not_fit_the_block_is_refused_by_vllms_own_fly():
+    with pytest.raises(FlyspecError, match="--window 6 does not fit in the block of -k 6"):
+        VllmEngineSpec(target="t", draft="d", k=6, native_fly=NATIVE)
+    VllmEngineSpec(target="t", draft="d", k=7, native_fly=NATIVE)
+    VllmEngineSpec(target="t", draft="d", k=6)  # the plugin: nothing is loosened, a warning

@@ -126,7 +126,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         default="flyspec",
         choices=("flyspec", "vllm"),
-        help="flyspec's own engine (default), or vLLM with flyspec's FLy plugin",
+        help="flyspec's own engine (default), or vLLM: its own FLy where built in (0.34 and "
+        "later), else flyspec's FLy plugin",
     )
     group.add_argument(
         "--vllm-dtype",
@@ -151,7 +152,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode: str):
     """The vLLM engine for these arguments in ``mode`` (the embedded default pair where
     --target/--draft are not given)."""
-    from flyspec.integrations.vllm.launch import VllmEngineSpec, require_vllm
+    from flyspec.integrations.vllm.launch import VllmEngineSpec, native_fly_version, require_vllm
 
     require_vllm()
     target, draft = args.target, args.draft
@@ -174,6 +175,7 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=config.sampling.seed or 0,
+        native_fly=native_fly_version(),
     )
 
 

@@ -115,6 +115,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default="",
         help="further arguments for `vllm serve`, as one quoted string (--engine vllm)",
     )
+    serve.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the vLLM server command (with the environment it sets) and start nothing "
+        "(--engine vllm)",
+    )
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -130,6 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{defaults.drafter!r} drafter; add --mode target or --drafter ngram"
         )
     api_key = resolve_api_key(args.api_key, environ=os.environ)
+    if args.dry_run and args.engine != "vllm":
+        raise FlyspecError("--dry-run prints the command of a vLLM server: add --engine vllm")
     if args.engine == "vllm":
         refuse_flyspec_server_options(args, api_key=api_key)
         return run_vllm_serve(args, defaults)
@@ -235,7 +243,12 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     top-k, top-p and --max-new-tokens onto the requests' defaults."""
     import shlex
 
-    from flyspec.integrations.vllm.launch import exec_serve, printable, serve_command
+    from flyspec.integrations.vllm.launch import (
+        engine_environment,
+        exec_serve,
+        printable,
+        serve_command,
+    )
 
     if defaults.stop or defaults.draft_temperature or defaults.draft_confidence:
         raise FlyspecError(
@@ -261,6 +274,9 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
         generation_defaults=generation,
         extra_arguments=[*extra, "--uvicorn-log-level", args.log_level],
     )
+    if args.dry_run:
+        print(printable(command, environment=engine_environment(os.environ)), flush=True)
+        return 0
     print(f"flyspec: starting {printable(command)}", flush=True)
     exec_serve(command)
     return 0  # pragma: no cover - exec does not return

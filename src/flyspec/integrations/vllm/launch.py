@@ -2,13 +2,16 @@
 --engine vllm`` and the ``vllm.LLM`` arguments of ``flyspec bench --engine vllm``.
 
 One :class:`VllmEngineSpec` maps flyspec's decoding settings onto vLLM's: the mode chooses
-between no speculation (``target``), vLLM's exact verification (``spd``) and the plugin's FLy
-(``fly``); the drafter is vLLM's ``draft_model`` or ``ngram`` proposer with ``k`` speculative
-tokens. Nothing here imports vLLM at module load.
+between no speculation (``target``), vLLM's exact verification (``spd``) and FLy (``fly``);
+the drafter is vLLM's ``draft_model`` or ``ngram`` proposer with ``k`` speculative tokens.
+FLy is vLLM's own where the installed vLLM has it built in (:func:`native_fly_version`, 0.34
+and later: ``speculative_config`` keys), and flyspec's plugin elsewhere (``additional_config``).
+Nothing here imports vLLM at module load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from flyspec.config import DEFAULT_MAX_NGRAM, FlyConfig
 from flyspec.errors import FlyspecError
-from flyspec.integrations.vllm.settings import additional_config
+from flyspec.integrations.vllm.settings import additional_config, native_speculative_keys
 
 ENGINE_MODES = ("target", "spd", "fly")
 ENGINE_DRAFTERS = ("model", "ngram")
@@ -28,6 +31,28 @@ SETUP_HINT = (
     ".venv-vllm/bin/flyspec, or install flyspec into vLLM's environment "
     "(pip install 'flyspec[vllm]')"
 )
+
+
+NATIVE_FLY_FIELDS = frozenset({"fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"})
+"""The fields of vLLM's ``SpeculativeConfig`` that show FLy built in (vLLM 0.34 and later)."""
+
+
+def config_fields(config_class: type) -> frozenset[str]:
+    """The field names of one of vLLM's config classes (pydantic dataclasses)."""
+    if dataclasses.is_dataclass(config_class):
+        return frozenset(field.name for field in dataclasses.fields(config_class))
+    return frozenset(getattr(config_class, "model_fields", {}))
+
+
+def native_fly_version() -> str | None:
+    """The installed vLLM's version where its ``SpeculativeConfig`` has FLy built in, else
+    None (then flyspec's plugin runs FLy). Read from the config's fields, not the version."""
+    import vllm
+    from vllm.config import SpeculativeConfig
+
+    if config_fields(SpeculativeConfig) >= NATIVE_FLY_FIELDS:
+        return vllm.__version__
+    return None
 
 
 def require_vllm() -> None:
@@ -54,6 +79,7 @@ class VllmEngineSpec:
     max_num_seqs: int | None = None
     prefix_caching: bool | None = None  # None: vLLM's default (on)
     seed: int = 0
+    native_fly: str | None = None  # the version of a vLLM with FLy built in; None: the plugin
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
@@ -69,8 +95,10 @@ class VllmEngineSpec:
             raise FlyspecError(
                 f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
             )
+        self.speculative_config()  # refuses a rule that vLLM's own FLy has no equivalent of
 
-    def speculative_config(self) -> dict | None:
+    def proposer(self) -> dict | None:
+        """The proposer part of ``speculative_config`` (None: no speculation)."""
         if self.mode == "target":
             return None
         if self.drafter == "ngram":
@@ -82,10 +110,24 @@ class VllmEngineSpec:
             }
         return {"method": "draft_model", "model": self.draft, "num_speculative_tokens": self.k}
 
+    def speculative_config(self) -> dict | None:
+        """vLLM's ``speculative_config``: the proposer, and vLLM's own FLy where it has one."""
+        proposer = self.proposer()
+        if proposer is not None and self.mode == "fly" and self.native_fly:
+            proposer |= native_speculative_keys(self.fly, vllm_version=self.native_fly)
+            window = proposer.get("fly_window_size", 0)
+            if window >= self.k:
+                raise FlyspecError(
+                    f"--window {window} does not fit in the block of -k {self.k}: vLLM "
+                    f"{self.native_fly}'s built-in FLy needs the window below K (W exact "
+                    "matches after the mismatch, inside the block)"
+                )
+        return proposer
+
     def additional_config(self) -> dict:
-        """The plugin's section: FLy's rule in ``fly`` mode, nothing otherwise (vLLM's own
-        exact verification, the plugin idle)."""
-        return additional_config(self.fly) if self.mode == "fly" else {}
+        """The plugin's section: FLy's rule in ``fly`` mode on a vLLM without FLy built in,
+        nothing otherwise (vLLM's own verification, the plugin idle)."""
+        return additional_config(self.fly) if self.mode == "fly" and not self.native_fly else {}
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments of ``vllm.LLM``."""
@@ -186,14 +228,18 @@ def vllm_command_works() -> bool:
     return True
 
 
-def printable(command: Sequence[str]) -> str:
-    """The command as a user would type it (``vllm serve ...`` or ``python -m ...``)."""
+def printable(command: Sequence[str], *, environment: Mapping[str, str] | None = None) -> str:
+    """The command as a user would type it (``vllm serve ...`` or ``python -m ...``),
+    preceded by the variables of ``environment`` that differ from this process's."""
     words = list(command)
     if words[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"]:
         words = ["vllm", "serve", *words[4:]]
     else:
         words[0] = "python"
-    return shlex.join(words)
+    changed = {
+        name: value for name, value in (environment or {}).items() if os.environ.get(name) != value
+    }
+    return shlex.join([*(f"{name}={value}" for name, value in sorted(changed.items())), *words])
 
 
 def exec_serve(command: Sequence[str]) -> None:

@@ -6,6 +6,7 @@ import importlib
 import logging
 import sys
 
+from flyspec.integrations.vllm.launch import native_fly_version
 from flyspec.integrations.vllm.metrics import choose_stats_dir, register_collector
 from flyspec.integrations.vllm.sampler import fly_sampler_class, refusing_sampler_class
 from flyspec.integrations.vllm.settings import VllmPluginError, settings_in_force
@@ -45,12 +46,17 @@ def register() -> None:
     read it when the engine builds them and fail the start-up on a bad value."""
     fly_from_environment = settings_in_force(None)  # a bad FLYSPEC_VLLM fails here
     if not _install(V1_SAMPLER_MODULE, V1_RUNNER_MODULES, fly_sampler_class):
-        message = (
-            f"flyspec's FLy plugin found no {V1_SAMPLER_MODULE}.RejectionSampler in this "
-            "vLLM: FLy cannot run in it"
-        )
-        if fly_from_environment is not None:
-            raise VllmPluginError(message)
-        logger.warning(message)
+        version = native_fly_version()
+        if version is not None:
+            # vLLM's own FLy runs; V2RejectionSampler names its keys to a `flyspec` section.
+            logger.info("vLLM %s has FLy built in: flyspec's FLy plugin stays out of it", version)
+        else:
+            message = (
+                f"flyspec's FLy plugin found no {V1_SAMPLER_MODULE}.RejectionSampler in this "
+                "vLLM: FLy cannot run in it"
+            )
+            if fly_from_environment is not None:
+                raise VllmPluginError(message)
+            logger.warning(message)
     _install(V2_SAMPLER_MODULE, V2_RUNNER_MODULES, refusing_sampler_class)
     register_collector(choose_stats_dir())

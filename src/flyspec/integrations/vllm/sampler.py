@@ -21,6 +21,7 @@ import contextvars
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -32,6 +33,9 @@ from flyspec.integrations.vllm.settings import (
     SECTION,
     TESTED_VLLM_VERSIONS,
     VllmPluginError,
+    parse_settings,
+    section_from,
+    section_refused_by_native_fly,
     settings_in_force,
 )
 from flyspec.verify import (
@@ -428,16 +432,23 @@ def fly_sampler_class(base: type) -> type:
 
 
 def refusing_sampler_class(base: type) -> type:
-    """vLLM's V2 model runner's ``RejectionSampler``, refusing to start where FLy is on (its
-    sampler path is not the one the plugin drives)."""
+    """vLLM's V2 model runner's ``RejectionSampler``, refusing to start where the plugin's
+    settings ask for FLy (its sampler path is not the one the plugin drives). On a vLLM with
+    FLy built in, any ``flyspec`` section stops the start-up with the native keys to use."""
 
     class V2RejectionSampler(base):
         def __init__(self, *args, **kwargs):
-            if settings_in_force(current_additional_config()) is not None:
-                raise VllmPluginError(
-                    "flyspec's FLy runs on vLLM's V1 model runner, and this engine uses the "
-                    "V2 one: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
-                )
+            section = section_from(current_additional_config(), os.environ)
+            if section is not None:
+                from flyspec.integrations.vllm.launch import native_fly_version
+
+                if (version := native_fly_version()) is not None:
+                    raise section_refused_by_native_fly(section, vllm_version=version)
+                if parse_settings(section) is not None:
+                    raise VllmPluginError(
+                        "flyspec's FLy runs on vLLM's V1 model runner, and this engine uses "
+                        "the V2 one: start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"
+                    )
             super().__init__(*args, **kwargs)
 
     V2RejectionSampler.__qualname__ = V2RejectionSampler.__name__ = base.__name__

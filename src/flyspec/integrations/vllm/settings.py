@@ -109,6 +109,58 @@ def settings_in_force(additional: Mapping[str, Any] | None) -> FlyConfig | None:
     return parse_settings(section_from(additional, os.environ))
 
 
+NATIVE_ENTROPY_TOP_K = 3
+"""vLLM's ``fly_entropy_top_k`` for flyspec's default gate (the top-3 entropy)."""
+
+
+def native_speculative_keys(fly: FlyConfig | None, *, vllm_version: str) -> dict[str, Any]:
+    """The ``speculative_config`` keys that run ``fly`` on a vLLM with FLy built in (0.34 and
+    later), or exact verification for None. Both count the window alike: W native acceptances
+    after the mismatch, inside the block.
+
+    Raises :class:`VllmPluginError` with one line naming the option for a setting that vLLM's
+    FLy has no equivalent of."""
+    if fly is None or math.isinf(fly.theta):
+        return {"rejection_sample_method": "standard"}
+    unmapped = [
+        (fly.entropy != "top3", "--entropy normalized (the full-vocabulary entropy)"),
+        (fly.min_ratio > 0, "--min-ratio (the plausibility floor)"),
+        (fly.max_rank > 0, "--max-rank (the plausibility floor)"),
+        (fly.defer, "--defer (deferral across blocks)"),
+        (fly.max_draft_confidence < 1, "--max-draft-confidence (the draft's doubt)"),
+        (fly.window < 1, "--window 0 (vLLM's fly_window_size is at least 1)"),
+    ]
+    for given, option in unmapped:
+        if given:
+            raise VllmPluginError(
+                f"{option} has no equivalent in the FLy built into vLLM {vllm_version}: leave "
+                "it out (a pair's calibrated rule may set it: --no-calibration), or use "
+                "flyspec's own engine"
+            )
+    return {
+        "rejection_sample_method": "fly",
+        "fly_window_size": fly.window,
+        "fly_entropy_threshold": fly.theta,
+        "fly_entropy_top_k": NATIVE_ENTROPY_TOP_K,
+    }
+
+
+def section_refused_by_native_fly(section: Any, *, vllm_version: str) -> VllmPluginError:
+    """The start-up error for a ``flyspec`` section on a vLLM with FLy built in: one line
+    with the ``speculative_config`` keys to use instead."""
+    try:
+        keys = json.dumps(
+            native_speculative_keys(parse_settings(section), vllm_version=vllm_version)
+        )
+    except VllmPluginError as error:
+        return error
+    return VllmPluginError(
+        f"vLLM {vllm_version} has FLy built in and flyspec's plugin stays out of it: remove "
+        f"additional_config['{SECTION}'] (or {ENV_VARIABLE}) and add {keys} to "
+        "speculative_config"
+    )
+
+
 def additional_config(fly: FlyConfig | None) -> dict[str, Any]:
     """vLLM's ``additional_config`` that switches the plugin on with ``fly`` (or leaves
     verification exact for None)."""
