@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install flyspec into it. Usage: scripts/setup.sh [--test] [--vllm]
+# Create .venv and install flyspec into it. Usage: scripts/setup.sh [--test] [--vllm|--vllm-fly]
 # torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB
 # CUDA build. On a GPU machine, install the matching torch build before running this.
 #
@@ -35,6 +35,24 @@ if [ "${1:-}" = "--vllm" ]; then
     fi
     .venv-vllm/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,test]"
     echo "flyspec and vLLM installed in $(pwd)/.venv-vllm"
+    exit 0
+fi
+
+# --vllm-fly creates .venv-vllm-fly: vLLM 0.34.0 (which has FLy built in) installed without its
+# dependencies next to the CPU torch, Triton and the few packages its import needs
+# (scripts/vllm_fly_requirements.txt), so that its FLy rejection kernel runs under Triton's
+# interpreter (tests/vllm_fly), with flyspec and the test tools.
+if [ "${1:-}" = "--vllm-fly" ]; then
+    make_venv .venv-vllm-fly
+    if ! CUDA_VISIBLE_DEVICES="" .venv-vllm-fly/bin/python -c "import vllm" 2>/dev/null; then
+        echo "installing vllm==0.34.0 (without its dependencies) into .venv-vllm-fly ..."
+        .venv-vllm-fly/bin/python -m pip install "${PIP_FLAGS[@]}" \
+            -r scripts/vllm_fly_requirements.txt
+        .venv-vllm-fly/bin/python -m pip install "${PIP_FLAGS[@]}" --no-deps "vllm==0.34.0"
+    fi
+    .venv-vllm-fly/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[test]" \
+        -c scripts/vllm_fly_requirements.txt
+    echo "flyspec and vLLM 0.34.0 installed in $(pwd)/.venv-vllm-fly"
     exit 0
 fi
 

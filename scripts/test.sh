@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up, pull the default models and datasets (the end-to-end tests use them), lint, and run
-# the whole test suite: flyspec's own in .venv, then the vLLM plugin's (tests/vllm) in
-# .venv-vllm, vLLM's environment. Arguments go to the first pytest run.
+# the whole test suite: flyspec's own in .venv, the vLLM plugin's (tests/vllm) in .venv-vllm
+# (vLLM 0.32's CPU build), then vLLM 0.34's built-in FLy (tests/vllm_fly) in .venv-vllm-fly,
+# its Triton kernels under Triton's interpreter. Arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -23,3 +24,5 @@ run_pytest() {  # run_pytest PYTHON ARGS...: pytest, where collecting no test is
 run_pytest .venv/bin/python "$@"
 bash scripts/setup.sh --vllm
 run_pytest .venv-vllm/bin/python tests/vllm
+bash scripts/setup.sh --vllm-fly
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" run_pytest .venv-vllm-fly/bin/python tests/vllm_fly

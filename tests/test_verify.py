@@ -292,7 +292,7 @@ class TestSpeculativeSampling:
     def test_fly_keeps_rejected_positions_with_window_zero(self):
         # With W=0 and an unsure target every sampling rejection is kept loosely, except
         # tokens the target gives probability 0.
-        logits = torch.zeros(2, V)  # maximal entropy
+        logits = torch.stack([self.target, self.target]).log()  # unsure: top-3 entropy 0.9
         hist = first_token_histogram(
             self.target,
             self.draft_dist,
@@ -353,3 +353,20 @@ def test_the_batched_rule_builds_no_host_tensor_on_a_device(max_draft_confidence
         )
     assert loose.device == meta
     assert mode.host_ops == []
+
+
+def test_a_sampled_draft_token_whose_probability_underflows_can_be_loosened():
+    """Only a logit of -inf (outside top-k/top-p) bars a token: at logit -200 below the top,
+    its float32 probability is 0, yet the target could emit it (as vLLM's own FLy decides)."""
+    logits = torch.full((3, V), -1.0e4)
+    logits[0, :4] = torch.tensor([0.0, -0.1, -0.2, -200.0])  # unsure, draft token 3 at -200
+    logits[1, 0] = logits[2, 0] = 0.0
+    verdict = verify_sampling(
+        draft([3, 0]),
+        None,
+        logits.softmax(dim=-1),
+        fly=FlyConfig(window=1, theta=0.3),
+        target_logits=logits,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert verdict.num_kept == 2 and verdict.loose_positions == (0,)

@@ -475,7 +475,8 @@ def verify_sampling(
     ``draft_confidence``: ``float[K]`` or None (:func:`draft_unsure`).
 
     Position ``i`` is accepted with probability ``min(1, target/draft)`` at the draft token;
-    FLy then loosely keeps some rejected positions, never one the target gives probability 0.
+    FLy then loosely keeps some rejected positions, never one outside the target's top-k /
+    top-p (a logit of -inf; a finite logit whose probability underflows to 0 may be kept).
     At the cut the correction is sampled from ``normalise(max(0, target - draft))``.
     """
     num_drafted = draft_tokens.shape[0]
@@ -496,7 +497,7 @@ def verify_sampling(
             accepted,
             target_logits[:num_drafted],
             draft_tokens,
-            target_at_draft > 0,
+            target_logits[positions, draft_tokens] > -math.inf,
             fly=fly,
             draft_confidence=draft_confidence,
         )

@@ -246,7 +246,7 @@ class FlyVerifier:
             sampled = speculative_acceptance(target_at_draft, draft_at_draft, uniform_probs)
             greedy_position = is_greedy[request_of_positions(cu_num_draft_tokens, num_tokens)]
             accepted = torch.where(greedy_position, accepted, sampled)
-            allowed &= greedy_position | ((target_at_draft > 0) & (draft_at_draft > 0))
+            allowed &= greedy_position | (draft_at_draft > 0)
         accepted &= real_draft
         loose = loosely_accepted(
             accepted,
