@@ -128,7 +128,7 @@ class VllmMethod:
         self.llm = LLM(**self.spec.llm_kwargs())
         return time.perf_counter() - started
 
-    def _params(self, *, max_new_tokens: int, seed: int | None):
+    def _params(self, *, max_new_tokens: int, seed: int | None, stop: Sequence[str] = ()):
         from vllm import SamplingParams
 
         sampling = self.sampling
@@ -138,9 +138,11 @@ class VllmMethod:
             top_p=sampling.top_p,
             max_tokens=max_new_tokens,
             seed=seed,
+            stop=list(stop) or None,
         )
 
-    def _generate(self, prompts_ids: Sequence[Sequence[int]], params) -> list[list[int]]:
+    def _completions(self, prompts_ids: Sequence[Sequence[int]], params) -> list:
+        """vLLM's first completion of each prompt (``params``: one, or one per prompt)."""
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate(
@@ -148,7 +150,32 @@ class VllmMethod:
             params,
             use_tqdm=False,
         )
-        return [new_tokens(output.outputs[0]) for output in outputs]
+        return [output.outputs[0] for output in outputs]
+
+    def _generate(self, prompts_ids: Sequence[Sequence[int]], params) -> list[list[int]]:
+        return [new_tokens(completion) for completion in self._completions(prompts_ids, params)]
+
+    def run_all(
+        self,
+        prompts_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: Sequence[int],
+        stops: Sequence[Sequence[str]],
+        seed: int | None,
+    ) -> tuple[list[tuple[list[int], str]], float, VllmStats]:
+        """Every prompt at once, each with its own token budget and stop strings: per prompt
+        (new tokens, vLLM's finish reason), the wall seconds, and the speculative-decoding
+        counts of the whole batch."""
+        params = [
+            self._params(max_new_tokens=budget, seed=seed, stop=stop)
+            for budget, stop in zip(max_new_tokens, stops, strict=True)
+        ]
+        before = read_spec_decode_stats(self.llm)
+        started = time.perf_counter()
+        completions = self._completions(prompts_ids, params)
+        seconds = time.perf_counter() - started
+        results = [(new_tokens(c), c.finish_reason or "") for c in completions]
+        return results, seconds, read_spec_decode_stats(self.llm) - before
 
     def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
         before = read_spec_decode_stats(self.llm)

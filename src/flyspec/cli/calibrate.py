@@ -9,6 +9,7 @@ from flyspec.cli.evaluate import (
     add_evaluation_arguments,
     command_line,
     evaluation_settings,
+    evaluation_vllm_spec,
     output_folder,
 )
 from flyspec.cli.options import load_engine, number, say
@@ -78,6 +79,7 @@ def run_calibrate(args: argparse.Namespace, *, problems: dict | None = None) -> 
         output=output,
         command=command_line("calibrate"),
         problems=problems,
+        vllm_spec=evaluation_vllm_spec(args, settings, base),
     )
     print((output / "calibration.md").read_text(encoding="utf-8"))
     if calibration is None:

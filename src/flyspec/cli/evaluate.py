@@ -13,9 +13,11 @@ from flyspec.cli.options import (
     LOOSENING_OPTIONS,
     add_decode_arguments,
     add_model_arguments,
+    add_vllm_arguments,
     decode_config_from_args,
     load_engine,
     say,
+    vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
 from flyspec.evaluation.run import PROMPT_STYLES, TASKS
@@ -157,6 +159,7 @@ def add_evaluation_arguments(
         "limit of each), MiB (default 1024)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_vllm_arguments(parser)
 
 
 def _split(values: list[str] | str | None) -> list[str]:
@@ -257,6 +260,24 @@ def command_line(name: str) -> str:
     return " ".join(["flyspec", *sys.argv[1:]]) if sys.argv else f"flyspec {name}"
 
 
+def evaluation_vllm_spec(args: argparse.Namespace, settings, base: cfg.DecodeConfig):
+    """The vLLM engine of ``--engine vllm`` (None for flyspec's own engine), every FLy method
+    checked against it before anything loads."""
+    if args.engine != "vllm":
+        return None
+    from dataclasses import replace
+
+    spec = vllm_engine_spec(args, base, mode="fly")
+    for method in settings.methods:
+        if method.mode == "fly":
+            replace(spec, fly=method.fly)  # refuses a rule this vLLM's FLy cannot run
+            if not spec.native_fly:
+                from flyspec.integrations.vllm.settings import additional_config
+
+                additional_config(method.fly)
+    return spec
+
+
 def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
     """The ``eval`` handler. ``problems`` (task name -> list of problems) replaces the
     datasets, for tests and custom problem sets."""
@@ -271,8 +292,15 @@ def run_eval(args: argparse.Namespace, *, problems: dict | None = None) -> int:
         output=output,
         command=command_line("eval"),
         problems=problems,
+        vllm_spec=evaluation_vllm_spec(args, settings, base),
     )
     print((output / "eval.md").read_text(encoding="utf-8"))
+    for name, engine in (payload.get("vllm_engines") or {}).items():
+        say(
+            f"vLLM {name}: {engine['generations']} in flight, {engine['wall_seconds']:.0f}s "
+            f"({engine['tokens_per_second']} tok/s), engine start {engine['engine_start_seconds']}s"
+            + (f", tau {engine['tau']}" if engine.get("tau") else "")
+        )
     cache = payload["cache"]
     files = ["eval.json", "eval.md"] + [
         payload[name] for name in ("plot", "loosening_plot") if name in payload

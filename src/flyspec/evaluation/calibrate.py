@@ -4,27 +4,33 @@ calibration split and choose the loosest that keeps enough of its score
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from flyspec.calibration import Calibration, Candidate, choose, fly_settings
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.errors import FlyspecError
 from flyspec.evaluation.run import EvalSettings, run_evaluation
 from flyspec.evaluation.runner import EvalMethod
 
 
-def candidates_from(tasks: Mapping, methods: Sequence[EvalMethod]) -> list[Candidate]:
+def candidates_from(
+    tasks: Mapping, methods: Sequence[EvalMethod], engines: Mapping[str, Mapping] | None = None
+) -> list[Candidate]:
     """One candidate per FLy method of an evaluation's per-task summaries (``eval.json``'s
-    ``tasks``): its recovery on each task and its tokens per round, averaged over the tasks."""
+    ``tasks``): its recovery on each task and its tokens per round, averaged over the tasks
+    (or, from vLLM, ``engines``: the tau of each method's engine over all its generations)."""
     candidates = []
     for method in methods:
         if method.mode != "fly":
             continue
         summaries = [tasks[task]["methods"][method.name] for task in tasks]
         taus = [s["tau"] for s in summaries if s["tau"] is not None]
+        if engines and engines.get(method.name, {}).get("tau") is not None:
+            taus = [engines[method.name]["tau"]]
         candidates.append(
             Candidate(
                 fly=method.fly,
@@ -46,6 +52,7 @@ def run_calibration(
     output: Path,
     command: str,
     problems: Mapping[str, Sequence] | None = None,
+    vllm_spec=None,
 ) -> tuple[Calibration | None, list[Candidate]]:
     """Evaluate ``settings.methods`` (the target and FLy rules) into ``output``, write
     ``calibration.md`` there, and return the chosen calibration (None when no rule keeps
@@ -54,9 +61,15 @@ def run_calibration(
     if "target" not in modes or "fly" not in modes:
         raise FlyspecError("a calibration needs the target alone and at least one FLy rule")
     payload = run_evaluation(
-        settings, base, load_engine=load_engine, output=output, command=command, problems=problems
+        settings,
+        base,
+        load_engine=load_engine,
+        output=output,
+        command=command,
+        problems=problems,
+        vllm_spec=vllm_spec,
     )
-    candidates = candidates_from(payload["tasks"], settings.methods)
+    candidates = candidates_from(payload["tasks"], settings.methods, payload.get("vllm_engines"))
     best = choose(candidates, min_recovery=min_recovery)
     calibration = None
     if best is not None:
@@ -110,4 +123,27 @@ def render_markdown(
         )
     else:
         lines.append(f"Chosen: `{fly_settings(best.fly)}`.")
+        lines += ["", *deployment_lines(best.fly)]
     return "\n".join(lines) + "\n"
+
+
+def deployment_lines(fly: FlyConfig) -> list[str]:
+    """How to run ``fly`` in vLLM: the ``speculative_config`` keys of a vLLM with FLy built in
+    (0.34 and later) and the ``additional_config`` of flyspec's plugin (vLLM 0.32), or why
+    one of them cannot run it."""
+    from flyspec.integrations.vllm.settings import additional_config, native_speculative_keys
+
+    ways = (
+        (
+            "vLLM with FLy built in (0.34 and later), in speculative_config",
+            lambda: native_speculative_keys(fly, vllm_version="0.34 and later"),
+        ),
+        ("flyspec's plugin on vLLM 0.32, as additional_config", lambda: additional_config(fly)),
+    )
+    lines = []
+    for where, keys in ways:
+        try:
+            lines.append(f"- {where}: `{json.dumps(keys())}`")
+        except FlyspecError as error:
+            lines.append(f"- {where}: not available ({error})")
+    return lines

@@ -15,6 +15,7 @@ from flyspec.errors import FlyspecError
 
 if TYPE_CHECKING:
     from flyspec.evaluation.runner import EvalMethod
+    from flyspec.integrations.vllm.launch import VllmEngineSpec
 
 TASKS = ("humaneval", "gsm8k")
 PROMPT_STYLES = ("auto", "chat", "raw")
@@ -67,6 +68,7 @@ def run_evaluation(
     output: Path,
     command: str,
     problems: Mapping[str, Sequence] | None = None,
+    vllm_spec: VllmEngineSpec | None = None,
 ) -> dict:
     """Run the evaluation, write its files into ``output`` and return eval.json's payload.
 
@@ -74,6 +76,8 @@ def run_evaluation(
     method's own). ``load_engine(with_draft)`` loads the model pair, once the cheap checks
     have passed. ``problems`` (task name -> problems) replaces the datasets, for tests and
     custom problem sets. ``command`` is recorded as the command that reproduces the run.
+    ``vllm_spec``: generate with vLLM engines like this one instead
+    (:mod:`flyspec.evaluation.on_vllm`; ``load_engine`` is then not called).
     """
     from flyspec.evaluation import loosening, report
     from flyspec.evaluation.cache import GenerationCache, decoding_identity
@@ -107,25 +111,49 @@ def run_evaluation(
 
     output.mkdir(parents=True, exist_ok=True)
     cache = GenerationCache(settings.cache_dir)
-    engine = load_engine(any(m.config(base).uses_draft_model for m in settings.methods))
-    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if vllm_spec is None:
+        engine = load_engine(any(m.config(base).uses_draft_model for m in settings.methods))
+        tokenizer = engine.tokenizer
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(vllm_spec.target)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     chat = has_template if settings.prompt_style == "auto" else settings.prompt_style == "chat"
     if chat and not has_template:
         raise FlyspecError("prompt style chat: this tokenizer has no chat template")
 
     started = time.perf_counter()
-    samples = evaluate(
-        engine,
-        runs,
-        settings.methods,
-        base,
-        cache=cache,
-        chat=chat,
-        progress=settings.progress,
-    )
+    engines = None
+    if vllm_spec is None:
+        samples = evaluate(
+            engine,
+            runs,
+            settings.methods,
+            base,
+            cache=cache,
+            chat=chat,
+            progress=settings.progress,
+        )
+        identity = EngineIdentity.of(engine)
+    else:
+        import vllm
+
+        from flyspec.evaluation.on_vllm import evaluate_on_vllm, vllm_identity
+
+        samples, engines = evaluate_on_vllm(
+            vllm_spec,
+            runs,
+            settings.methods,
+            base,
+            tokenizer=tokenizer,
+            vllm_version=vllm.__version__,
+            cache=cache,
+            chat=chat,
+        )
+        identity = vllm_identity(vllm_spec, vllm.__version__)
     elapsed = time.perf_counter() - started
 
-    identity = EngineIdentity.of(engine)
     payload = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": command,
@@ -135,6 +163,7 @@ def run_evaluation(
             "draft": identity.draft,
             "dtype": identity.dtype,
             "device": identity.device,
+            "kernels": identity.kernels,
         },
         "settings": {
             "tasks": {
@@ -161,6 +190,8 @@ def run_evaluation(
             "note": "cached generations keep the timing statistics of the run that produced "
             "them; speedup and tokens/s are computed from those",
         },
+        "engine": "flyspec" if engines is None else "vllm",
+        "vllm_engines": engines,
         "tasks": report.summarize(samples, settings.methods, list(settings.tasks)),
         "loosening": loosening.analyse(samples, settings.methods, list(settings.tasks)),
         "samples": [s.as_dict() for s in samples],
