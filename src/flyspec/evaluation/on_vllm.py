@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from flyspec.config import DecodeConfig
-from flyspec.evaluation.cache import GenerationCache, generation_key
+from flyspec.evaluation.cache import GenerationCache
 from flyspec.evaluation.runner import EngineIdentity, EvalMethod, Sample, TaskRun
 from flyspec.integrations.vllm.launch import VllmEngineSpec
 from flyspec.models.identity import model_identity
@@ -143,20 +143,8 @@ def _jobs(runs, methods, base, *, tokenizer, chat, identity) -> list[Job]:
         for problem in run.problems:
             prompt_ids = task.prompt(problem, chat=chat).token_ids(tokenizer)
             for method in methods:
-                config = method.config(base).with_updates(
-                    max_new_tokens=run.max_new_tokens,
-                    stop=tuple(dict.fromkeys(base.stop + task.stop_strings(chat=chat))),
-                )
-                key = generation_key(
-                    task_version=task.version,
-                    prompt_ids=prompt_ids,
-                    config=config,
-                    target=identity.target,
-                    draft=identity.draft,
-                    dtype=identity.dtype,
-                    device=identity.device,
-                    kernels=identity.kernels,
-                )
+                config = run.config(method, base, chat=chat)
+                key = identity.generation_key(task, prompt_ids, config)
                 problem_id = task.problem_id(problem)
                 jobs.append(Job(run, problem, problem_id, method, prompt_ids, config, key))
     return jobs

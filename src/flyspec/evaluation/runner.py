@@ -116,6 +116,13 @@ class TaskRun:
     max_new_tokens: int
     first: int = 0
 
+    def config(self, method: EvalMethod, base: DecodeConfig, *, chat: bool) -> DecodeConfig:
+        """``method``'s settings on this task: its token budget and stop strings added."""
+        return method.config(base).with_updates(
+            max_new_tokens=self.max_new_tokens,
+            stop=tuple(dict.fromkeys(base.stop + self.task.stop_strings(chat=chat))),
+        )
+
 
 @dataclass
 class Sample:
@@ -165,6 +172,19 @@ class EngineIdentity:
     device: str
     kernels: dict
 
+    def generation_key(self, task: Task, prompt_ids: Sequence[int], config: DecodeConfig) -> str:
+        """The cache key of one generation by this engine."""
+        return generation_key(
+            task_version=task.version,
+            prompt_ids=prompt_ids,
+            config=config,
+            target=self.target,
+            draft=self.draft,
+            dtype=self.dtype,
+            device=self.device,
+            kernels=self.kernels,
+        )
+
     @classmethod
     def of(cls, engine) -> EngineIdentity:
         parameter = next(engine.target_model.parameters())
@@ -207,20 +227,8 @@ def evaluate(
                 prompt_ids = task.prompt(problem, chat=chat).token_ids(engine.tokenizer)
                 for method in methods:
                     bar.set_postfix_str(f"{problem_id} {method.name}", refresh=False)
-                    config = method.config(base).with_updates(
-                        max_new_tokens=run.max_new_tokens,
-                        stop=tuple(dict.fromkeys(base.stop + task.stop_strings(chat=chat))),
-                    )
-                    key = generation_key(
-                        task_version=task.version,
-                        prompt_ids=prompt_ids,
-                        config=config,
-                        target=identity.target,
-                        draft=identity.draft,
-                        dtype=identity.dtype,
-                        device=identity.device,
-                        kernels=identity.kernels,
-                    )
+                    config = run.config(method, base, chat=chat)
+                    key = identity.generation_key(task, prompt_ids, config)
                     entry = cache.get(key, config)
                     cached = entry is not None
                     if entry is None:
