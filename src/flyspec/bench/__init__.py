@@ -19,6 +19,7 @@ from flyspec.bench.methods import (
     FLYSPEC_METHODS,
     LOSSLESS_METHODS,
     make_method,
+    measured_run,
     parse_methods,
 )
 from flyspec.bench.prompts import BenchPrompt
@@ -92,7 +93,8 @@ def run_benchmark(
                             refresh=False,
                         )
                         runs[method.name][repeat].append(
-                            method.run(
+                            measured_run(
+                                method,
                                 ids,
                                 max_new_tokens=config.max_new_tokens,
                                 seed=sample_seed(index),

@@ -81,6 +81,18 @@ class SampleRun:
     token_ids: list[int]
     seconds: float
     stats: RequestStats | None = None
+    peak_rss_bytes: int = 0  # the process and its children while the prompt ran
+    state_bytes: int = 0  # KV caches after the prompt (flyspec's methods)
+
+
+def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
+    """``method.run(prompt_ids, **settings)`` with the peak resident memory of this process
+    and its children (a vLLM engine's) while it ran."""
+    from flyspec.memory import PeakRss
+
+    with PeakRss() as watch:
+        run = method.run(prompt_ids, **settings)
+    return replace(run, peak_rss_bytes=watch.peak_bytes)
 
 
 class BenchMethod(Protocol):
@@ -122,7 +134,10 @@ class FlyspecMethod:
         stats = RequestStats()
         started = time.perf_counter()
         tokens = [event.token for event in self.decoder.stream(prompt_ids, config, stats=stats)]
-        return SampleRun(tokens, time.perf_counter() - started, stats)
+        seconds = time.perf_counter() - started
+        models = [self.decoder.target, self.decoder.draft]
+        state = sum(model.state_bytes() for model in models if model is not None)
+        return SampleRun(tokens, seconds, stats, state_bytes=state)
 
 
 class HfMethod:

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flyspec.bench.plots import has_per_position, write_plots
+from flyspec.memory import gib
 from flyspec.spread import UNSTABLE_SPREAD, Spread
 from flyspec.stats import RoundStats, mean_speedup
 
@@ -109,6 +110,10 @@ def summarise_method(
         "speedup_spread": speedup_spread.as_dict(),
         "unstable_prompts": unstable_prompts(samples),
         "identical_to_target": sum(1 for s in samples if s["identical_to_target"]),
+        "peak_rss_bytes": max((s.get("peak_rss_bytes", 0) for s in samples), default=0),
+        "state_bytes_longest_prompt": max(
+            samples, key=lambda s: s["prompt_tokens"] + s["new_tokens"], default={}
+        ).get("state_bytes", 0),
     }
     if rounds is None:
         return summary
@@ -178,6 +183,8 @@ def sample_records(
             stats=run.stats.as_dict() if run.stats is not None else None,
             text=decode(run.token_ids),
             repeat=repeat,
+            peak_rss_bytes=run.peak_rss_bytes,
+            state_bytes=run.state_bytes,
         )
         for index, run in enumerate(runs)
     ]
@@ -193,9 +200,13 @@ def sample_record(
     stats: dict | None = None,
     text: str | None = None,
     repeat: int = 0,
+    peak_rss_bytes: int = 0,
+    state_bytes: int = 0,
 ) -> dict:
     divergence = first_divergence(token_ids, target_token_ids)
     return {
+        "peak_rss_bytes": peak_rss_bytes,
+        "state_bytes": state_bytes,
         "prompt_id": prompt_id,
         "repeat": repeat,
         "prompt_tokens": prompt_tokens,
@@ -255,9 +266,9 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     concurrent = any(s.get("concurrent_tokens_per_second") for s in summaries)
     header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
-        f"| verifying s | = {baseline} |"
+        f"| verifying s | = {baseline} | peak RSS GiB |"
     )
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if concurrent:
         header += " tok/s in flight |"
         rule += "---:|"
@@ -274,6 +285,7 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
             _cell(s.get("draft_seconds"), ".1f"),
             _cell(s.get("verify_seconds"), ".1f"),
             f"{s['identical_to_target']}/{s['samples']}",
+            _cell(gib(s["peak_rss_bytes"]) if s.get("peak_rss_bytes") else None, ".2f"),
         ]
         if concurrent:
             cells.append(_cell(s.get("concurrent_tokens_per_second"), ".2f"))
@@ -302,7 +314,9 @@ def markdown_report(report: Mapping) -> str:
         "accepted / loosely: exact and loose acceptances per drafted token. "
         f"= {baseline}: outputs identical to {baseline}'s, token for token"
         + ("" if baseline == "target" else " (flyspec's methods: to flyspec's target)")
-        + ". transformers' methods (hf-*) report speed only.",
+        + ". transformers' methods (hf-*) report speed only. peak RSS: the most resident "
+        "memory of flyspec's process and its children (a vLLM engine's) while the method ran; "
+        "flyspec's methods share one process and one loaded pair.",
     ]
     repeats = config.get("repeats", 1)
     if repeats > 1:

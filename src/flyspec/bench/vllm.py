@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flyspec.bench.methods import SampleRun
+from flyspec.bench.methods import SampleRun, measured_run
 from flyspec.errors import FlyspecError
 from flyspec.integrations.vllm.launch import VllmEngineSpec, engine_environment
 
@@ -249,7 +249,9 @@ def run_vllm_methods(
                 tqdm(prompts_ids, desc=method.name, file=sys.stderr, disable=not progress)
             ):
                 sample_seed = None if seed is None else seed + index
-                samples.append(method.run(ids, max_new_tokens=max_new_tokens, seed=sample_seed))
+                samples.append(
+                    measured_run(method, ids, max_new_tokens=max_new_tokens, seed=sample_seed)
+                )
             concurrent = None
             if concurrency > 1:
                 say(f"{method.name}: {len(prompts_ids)} prompts, {concurrency} in flight ...")

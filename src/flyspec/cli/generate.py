@@ -17,6 +17,7 @@ from flyspec.cli.options import (
     say,
 )
 from flyspec.errors import FlyspecError
+from flyspec.memory import peak_rss_bytes
 
 ORIGIN_COLOURS = {
     "exact": "\033[32m",  # green
@@ -83,6 +84,7 @@ def run_generate(args: argparse.Namespace) -> int:
         payload = result.as_dict()
         if comparison is not None:
             payload.update(comparison.finish(result.stats))
+        payload["peak_rss_bytes"] = peak_rss_bytes()  # this process, models loaded and run
         print(json.dumps(payload, ensure_ascii=False))
         return 0
 

@@ -56,6 +56,15 @@ class TransformersForward:
     def reset(self) -> None:
         self.cache = DynamicCache()
 
+    def state_bytes(self) -> int:
+        """The bytes the KV cache holds."""
+        return sum(
+            t.nbytes
+            for layer in getattr(self.cache, "layers", [])
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)
+        )
+
     def crop(self, length: int) -> None:
         crop_cache(self.cache, length)
 
@@ -98,6 +107,11 @@ class CachedLM:
     @property
     def forward_path(self) -> str:
         return "lean" if isinstance(self.runner, LeanForward) else "transformers"
+
+    def state_bytes(self) -> int:
+        """The bytes of the KV cache (kept between requests, so after the longest one its
+        largest)."""
+        return self.runner.state_bytes()
 
     def reset(self) -> None:
         """Forget everything cached (a new request)."""

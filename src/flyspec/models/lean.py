@@ -85,6 +85,10 @@ class LeanForward:
     def reset(self) -> None:
         self.length = 0
 
+    def state_bytes(self) -> int:
+        """The bytes the KV cache's buffers hold (their capacity, not only the length used)."""
+        return sum(t.nbytes for t in (*self.keys, *self.values, self.cos, self.sin))
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""
         if not 0 <= length <= self.length:
