@@ -13,10 +13,10 @@ def tiny_pair(tmp_path_factory):
     return save_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
 
 
-@pytest.fixture(scope="session")
-def default_engine():
-    """The embedded default pair (draft 0.5B, target 1.5B). Skipped where it is not installed,
-    except in CI, where a missing pair is a failure."""
+def load_default_engine():
+    """The embedded default pair (draft 0.5B, target 1.5B) as the commands load it. Skipped
+    where it is not installed, except in CI, where a missing pair is a failure. The caller
+    releases it: one loaded pair at a time keeps the suite's memory at one pair's."""
     from flyspec.engine import Engine
     from flyspec.models import is_default_pair_installed
 

@@ -3,9 +3,12 @@
 About two to three minutes on 2 CPU cores: the target alone makes ~3 tokens/s.
 """
 
+import gc
+
 import pytest
 
 from flyspec.config import DecodeConfig
+from tests.conftest import load_default_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -19,17 +22,23 @@ MAX_NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def results(default_engine):
-    return [
+def results():
+    """Each prompt's generation in each mode; the pair is released before the tests run (one
+    of them loads its own through the CLI)."""
+    engine = load_default_engine()
+    generated = [
         {
-            mode: default_engine.generate(
-                default_engine.encode(prompt, chat=True),
+            mode: engine.generate(
+                engine.encode(prompt, chat=True),
                 DecodeConfig(mode=mode, max_new_tokens=MAX_NEW_TOKENS),
             )
             for mode in ("target", "spd", "fly")
         }
         for prompt in PROMPTS
     ]
+    del engine
+    gc.collect()
+    return generated
 
 
 def test_spd_equals_the_target_token_for_token(results):
@@ -50,7 +59,6 @@ def test_fly_keeps_mismatches_loosely_and_raises_tau(results):
 def test_the_library_gives_the_commands_tokens(results, capsys):
     """``Engine.load()`` runs the CLI's kernels (int8 draft, packed Linear layers, lean
     forward): FLy, whose output depends on the draft's numbers, emits the same tokens both ways."""
-    import gc
     import json
 
     from flyspec.cli import main

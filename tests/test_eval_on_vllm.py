@@ -8,7 +8,7 @@ import pytest
 from flyspec.cli import main
 from flyspec.config import FlyConfig
 from flyspec.evaluation.calibrate import candidates_from, deployment_lines
-from flyspec.evaluation.on_vllm import truncate_at_answer, vllm_identity
+from flyspec.evaluation.on_vllm import cut_at_stop, truncate_at_answer, vllm_identity
 from flyspec.evaluation.runner import EvalMethod
 from flyspec.evaluation.tasks import make_task
 from flyspec.integrations.vllm.launch import VllmEngineSpec
@@ -22,6 +22,12 @@ def test_a_generation_is_cut_where_the_task_calls_the_answer_complete():
     )
     assert answered and tokens == [0, 1, 2, 3]
     assert truncate_at_answer([0, 1], lambda ids: "x", task.is_complete) == ([0, 1], False)
+
+
+def test_the_text_ends_before_the_first_stop_string_as_in_flyspecs_engine():
+    assert cut_at_stop("    return x\n```\nmore\n```", ("\n```",)) == "    return x"
+    assert cut_at_stop("a\nQuestion: b\n\n\n", ("\n\n\n", "\nQuestion:")) == "a"
+    assert cut_at_stop("no stop here", ("\n```",)) == "no stop here"
 
 
 def test_vllm_generations_are_cached_apart_from_flyspecs_and_by_kind_of_fly():

@@ -62,6 +62,13 @@ def truncate_at_answer(
     return list(token_ids), False
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` cut right before its first stop string, as flyspec's engine cuts it (vLLM's
+    token ids run through the stop string)."""
+    found = [index for string in stop if (index := text.find(string)) >= 0]
+    return text[: min(found)] if found else text
+
+
 def evaluate_on_vllm(
     spec: VllmEngineSpec,
     runs: Sequence[TaskRun],
@@ -158,7 +165,7 @@ def _entry(job: Job, token_ids, finish_reason: str, *, seconds: float, tokenizer
 
     token_ids, answered = truncate_at_answer(token_ids, decode, job.run.task.is_complete)
     return {
-        "text": decode(token_ids),
+        "text": cut_at_stop(decode(token_ids), job.config.stop),
         "token_ids": token_ids,
         "max_new_tokens": job.config.max_new_tokens,
         "prompt_tokens": len(job.prompt_ids),
