@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flyspec.memory import PeakRss, gib, tree_rss_bytes
+from flyspec.memory import PeakRss, checkpoint_parameters, gib, tree_rss_bytes
 from tests.tiny import make_tiny_tokenizer
 
 LOAD_AND_MEASURE = textwrap.dedent(
@@ -78,3 +78,9 @@ def test_the_peak_watch_sees_a_child_process():
     with PeakRss() as watch:
         subprocess.run([sys.executable, "-c", child], check=True)
     assert watch.peak_bytes >= tree_rss_bytes() + 150 * 2**20
+
+
+def test_checkpoint_parameters_come_from_the_file_headers(wide_model):
+    folder, weights = wide_model
+    assert checkpoint_parameters(folder) * 4 == weights
+    assert checkpoint_parameters(folder / "nothing-here") is None

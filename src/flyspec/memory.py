@@ -7,8 +7,11 @@ once their pages are touched, so RSS is the measure. Elsewhere than on Linux eve
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import resource
+import struct
 import sys
 import threading
 from pathlib import Path
@@ -100,3 +103,20 @@ class PeakRss:
 def gib(n_bytes: float) -> float:
     """Bytes in GiB, rounded for a report."""
     return round(n_bytes / 2**30, 2)
+
+
+def checkpoint_parameters(folder: Path) -> int | None:
+    """The number of parameters in the safetensors files of ``folder``, from their headers
+    (nothing else is read), or None where there are none."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with file.open("rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(size))
+        total += sum(
+            math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__"
+        )
+    return total

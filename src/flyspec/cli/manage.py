@@ -49,6 +49,7 @@ def run_models_pull(args: argparse.Namespace) -> int:
 
 
 def run_models_list(args: argparse.Namespace) -> int:
+    from flyspec.memory import checkpoint_parameters, gib
     from flyspec.models import (
         DEFAULT_DRAFT,
         DEFAULT_TARGET,
@@ -64,6 +65,12 @@ def run_models_list(args: argparse.Namespace) -> int:
         state = "not installed" if installed is None else f"from the {installed[1]}"
         folder = model_dir(model) if installed is None else installed[0]
         print(f"{role:6s}  {model.name:32s}  {state:15s}  {folder}")
+        parameters = None if installed is None else checkpoint_parameters(folder)
+        if parameters:
+            print(
+                f"        {parameters / 1e9:.2f}B parameters: weights of {gib(4 * parameters)} "
+                f"GiB in float32, {gib(2 * parameters)} GiB in bfloat16/float16"
+            )
     if is_default_pair_installed():
         from flyspec.calibration import calibration_path, load_calibration
 
