@@ -56,6 +56,8 @@ def truncate_at_answer(
 ) -> tuple[list[int], bool]:
     """The shortest prefix of ``token_ids`` whose text the task calls complete (flyspec's
     engine stops there), and whether there was one."""
+    if not is_complete(decode(token_ids)):  # never complete: nothing to look for
+        return list(token_ids), False
     for end in range(1, len(token_ids) + 1):
         if is_complete(decode(token_ids[:end])):
             return list(token_ids[:end]), True
