@@ -2,7 +2,7 @@
 and of ``flyspec serve`` after its first request, against the bytes of the weights loaded.
 
     python benchmarks/memory_peaks.py                      # every setting, a markdown table
-    python benchmarks/memory_peaks.py --settings target,fly --flyspec .venv/bin/flyspec
+    python benchmarks/memory_peaks.py --settings "target;fly" --flyspec .venv/bin/flyspec
 
 Each setting runs in its own process (one at a time: memory), measured by ``/usr/bin/time``'s
 maximum resident set size. The weights are the float32 checkpoints' bytes (parameters x 4,
@@ -84,8 +84,8 @@ def main() -> int:
     parser.add_argument("--flyspec", default=".venv/bin/flyspec", help="the command to measure")
     parser.add_argument(
         "--settings",
-        default=",".join([*SETTINGS, "serve"]),
-        help=f"comma-separated, among: {', '.join(SETTINGS)}, serve",
+        default=";".join([*SETTINGS, "serve"]),
+        help=f"separated by ';', among: {'; '.join(SETTINGS)}; serve",
     )
     args = parser.parse_args()
     pair = default_pair_paths()
@@ -94,7 +94,7 @@ def main() -> int:
     print(f"weights (float32): target {gib(target_bytes)} GiB, draft {gib(draft_bytes)} GiB")
     print("| setting | peak RSS GiB | float32 weights loaded GiB | ratio |")
     print("|---|---:|---:|---:|")
-    for name in args.settings.split(","):
+    for name in args.settings.split(";"):
         name = name.strip()
         if name == "serve":
             peak, weights = serve_peak(args.flyspec), target_bytes + draft_bytes

@@ -1,5 +1,6 @@
 """``flyspec bench --engine vllm``: vLLM's target alone, its exact speculative decoding and
-FLy through flyspec's plugin, at the same K, beside flyspec's own engine.
+FLy (vLLM's own where built in, flyspec's plugin elsewhere), at the same K, beside flyspec's
+own engine.
 
 vLLM's methods cannot be interleaved per prompt: each is one engine (40-70 s to start on a
 CPU, a few GB of memory), so they run one after another, each over all prompts after a warm-up
