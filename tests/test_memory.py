@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flyspec.memory import PeakRss, checkpoint_parameters, gib, tree_rss_bytes
+from flyspec.memory import PeakRss, gib, tree_rss_bytes
+from flyspec.models.checkpoint import checkpoint_parameters
 from tests.tiny import make_tiny_tokenizer
 
 LOAD_AND_MEASURE = textwrap.dedent(

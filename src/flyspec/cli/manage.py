@@ -49,7 +49,7 @@ def run_models_pull(args: argparse.Namespace) -> int:
 
 
 def run_models_list(args: argparse.Namespace) -> int:
-    from flyspec.memory import checkpoint_parameters, gib
+    from flyspec.memory import gib
     from flyspec.models import (
         DEFAULT_DRAFT,
         DEFAULT_TARGET,
@@ -57,6 +57,7 @@ def run_models_list(args: argparse.Namespace) -> int:
         is_default_pair_installed,
         resolve_pair,
     )
+    from flyspec.models.checkpoint import checkpoint_parameters
     from flyspec.models.default_pair import installed_model, model_dir
 
     print(f"cache folder: {flyspec_home()}")

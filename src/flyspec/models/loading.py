@@ -151,12 +151,7 @@ def load_causal_lm(
         require_gguf_support()
         kwargs["gguf_file"] = source.gguf_file
     try:
-        if target_device == "cpu" and source.gguf_file is None:
-            model = _load_read_into_memory(Path(source.location), dtype=dtype)
-        else:
-            model = None
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except FlyspecError:
         raise
     except Exception as error:  # transformers, safetensors and gguf raise many kinds
@@ -167,53 +162,6 @@ def load_causal_lm(
         model.to(target_device)
     model.eval()
     return model
-
-
-def read_checkpoint(folder: Path, *, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The weights of the safetensors checkpoint in ``folder``, read into this process's
-    memory one tensor at a time (floating ones converted to ``dtype`` as they arrive), or None
-    where there is none or this safetensors cannot read without mapping the file.
-
-    transformers maps the files instead; a kernel that re-lays out a weight (oneDNN packing,
-    quantisation) then holds its copy beside the mapped original, whose pages stay in the
-    process as long as any tensor of the file lives: the model twice over."""
-    from safetensors import safe_open
-
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
-        return None
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            handle = safe_open(file, framework="pt", backend="pread")
-        except TypeError:  # a safetensors without the pread backend
-            return None
-        with handle:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                tensor = handle.get_tensor(name)
-                state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    return state
-
-
-def _load_read_into_memory(
-    folder: Path, *, dtype: torch.dtype
-) -> transformers.PreTrainedModel | None:
-    """A causal LM whose weights live in this process's memory, not in a mapping of its files
-    (:func:`read_checkpoint`), or None where that does not apply (no safetensors folder, an
-    architecture transformers has no causal LM class for)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if not (folder / "config.json").is_file():
-        return None
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_class is None or getattr(config, "quantization_config", None) is not None:
-        return None
-    state = read_checkpoint(folder, dtype=dtype)
-    if state is None:
-        return None
-    return model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
 
 
 def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
