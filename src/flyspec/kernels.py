@@ -96,11 +96,27 @@ def quantize_fp16(model):
     rare near-ties. Measured here on the 1.5B target (2 threads): 63 ms for 1 new token and
     172 ms for 16, against 146 / 207 ms with float32 weights on oneDNN.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(
-            model, {torch.nn.Linear}, dtype=torch.float16, inplace=True
-        )
+    return quantize_linear_layers(model, torch.float16)
+
+
+def quantize_linear_layers(model, dtype: torch.dtype):
+    """``quantize_dynamic`` of every ``nn.Linear`` to ``dtype``, in place, one decoder layer at
+    a time (then the rest, such as the output layer), each part's float weights let go before
+    the next (their pages of the checkpoint's file mapping too: :func:`pack_linear_layers`
+    says why), so that the model is never held twice; returns the model."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    mappings = file_mappings()
+    for part in [*layers, model]:
+        weights = [m.weight for m in part.modules() if type(m) is torch.nn.Linear]
+        replaced = file_backed(weights, mappings)
+        del weights
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+            torch.ao.quantization.quantize_dynamic(
+                part, {torch.nn.Linear}, dtype=dtype, inplace=True
+            )
+        release_file_pages(replaced)
+    return model
 
 
 _GATED_MLP_TYPES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
@@ -175,6 +191,7 @@ def merge_int8_projections(model: torch.nn.Module) -> int:
     """
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     changed = 0
+    mappings = file_mappings()
     for layer in layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
@@ -187,6 +204,8 @@ def merge_int8_projections(model: torch.nn.Module) -> int:
             type(p) is torch.nn.Linear for p in parts
         ):
             layer.mlp = GatedMLP(merged_int8_linear(parts), mlp.down_proj, mlp.act_fn)
+            # gate and up leave the model here: nothing else lets their file pages go.
+            release_file_pages(file_backed([p.weight for p in parts], mappings))
             merged_here = True
         changed += merged_here
     return changed
@@ -205,11 +224,7 @@ def quantize_int8(model):
     of the draft is accepted.
     """
     merge_int8_projections(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
-        return torch.ao.quantization.quantize_dynamic(
-            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
-        )
+    return quantize_linear_layers(model, torch.qint8)
 
 
 def check_target_quant(target_quant: str, dtype: torch.dtype) -> None:
@@ -249,15 +264,10 @@ def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
             # The draft's numbers never change what exact SPD emits: it is quantised from
             # float32 whatever the target's dtype (token ids are all the two models share).
             model.float()
-        replaced = file_backed(
-            [m.weight for m in model.modules() if type(m) is torch.nn.Linear], file_mappings()
-        )
         if quant == "int8":
             quantize_int8(model)
         elif quant == "fp16":
             quantize_fp16(model)
-        if quant != "none":
-            release_file_pages(replaced)  # the float weights the quantised copies replaced
         done[f"{role}_packed_layers"] = pack_linear_layers(model) if linear == "onednn" else 0
     engine.kernels = {**engine.kernels, **done}
     return engine.kernels
