@@ -26,3 +26,12 @@ def load_default_engine():
             pytest.fail(message)
         pytest.skip(message)
     return Engine.load()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The peak resident memory of this test process, in every run's closing lines."""
+    from flyspec.memory import gib, peak_rss_bytes
+
+    terminalreporter.write_line(
+        f"peak resident memory of this test process: {gib(peak_rss_bytes())} GiB"
+    )
