@@ -75,7 +75,8 @@ def test_loading_with_packed_kernels_holds_the_weights_once(wide_model):
 
 
 def test_the_peak_watch_sees_a_child_process():
-    child = "x = bytearray(200 * 2**20); import time; time.sleep(0.5)"
+    # Longer than the watch's look for new processes (PROCESS_SCAN_SECONDS).
+    child = "x = bytearray(200 * 2**20); import time; time.sleep(2.5)"
     with PeakRss() as watch:
         subprocess.run([sys.executable, "-c", child], check=True)
     assert watch.peak_bytes >= tree_rss_bytes() + 150 * 2**20

@@ -57,9 +57,18 @@ def tree_rss_bytes(pid: int | None = None) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident high-water mark since it started."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
+    """This process's resident high-water mark since it started (``VmHWM``: getrusage's
+    figure is no use here, since Linux carries it over from the parent across fork and exec,
+    so a command started by a big process would report the parent's peak)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class PeakRss:

@@ -112,7 +112,7 @@ def summarise_method(
         "identical_to_target": sum(1 for s in samples if s["identical_to_target"]),
         "peak_rss_bytes": max((s.get("peak_rss_bytes", 0) for s in samples), default=0),
         "state_bytes_longest_prompt": max(
-            samples, key=lambda s: s["prompt_tokens"] + s["new_tokens"], default={}
+            samples, key=lambda s: s.get("prompt_tokens", 0) + s["new_tokens"], default={}
         ).get("state_bytes", 0),
     }
     if rounds is None:
