@@ -164,7 +164,7 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
         draft = draft or str(defaults.draft)
     if args.max_model_len < 1:
         raise FlyspecError(f"--max-model-len must be >= 1, got {args.max_model_len}")
-    return VllmEngineSpec(
+    spec = VllmEngineSpec(
         target=target,
         draft=draft,
         mode=mode,
@@ -175,8 +175,8 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=config.sampling.seed or 0,
-        native_fly=native_fly_version(),
-    )
+    )  # the flags checked before vLLM's configuration is imported (it prints on import)
+    return dataclasses.replace(spec, native_fly=native_fly_version())
 
 
 LOOSENING_OPTIONS = ("theta", "window", "min_ratio", "max_rank", "max_draft_confidence", "defer")
