@@ -270,11 +270,8 @@ def evaluation_vllm_spec(args: argparse.Namespace, settings, base: cfg.DecodeCon
     spec = vllm_engine_spec(args, base, mode="fly")
     for method in settings.methods:
         if method.mode == "fly":
-            replace(spec, fly=method.fly)  # refuses a rule this vLLM's FLy cannot run
-            if not spec.native_fly:
-                from flyspec.integrations.vllm.settings import additional_config
-
-                additional_config(method.fly)
+            # Each refuses a rule this vLLM's FLy cannot run: vLLM's own, or the plugin.
+            replace(spec, fly=method.fly).additional_config()
     return spec
 
 
