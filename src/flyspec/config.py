@@ -176,6 +176,32 @@ class KernelConfig:
         )
 
 
+BACKENDS = ("torch", "llamacpp")
+"""What runs the models' forwards: torch (any Hugging Face causal LM, any device), or llama.cpp
+(GGUF files on the CPU, through llama-cpp-python)."""
+
+
+@dataclass(frozen=True)
+class LlamaCppConfig:
+    """Settings of the llama.cpp backend: the context it allocates (prompt + generated tokens)
+    and its threads (0: the cores this process may run on)."""
+
+    context: int = 8192
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.context, int) and self.context >= 16,
+            f"the llama.cpp context must be an integer >= 16, got {self.context!r}",
+            field="context",
+        )
+        _check(
+            isinstance(self.threads, int) and self.threads >= 0,
+            f"llama.cpp threads must be an integer >= 0 (0 = every core), got {self.threads!r}",
+            field="threads",
+        )
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's tokens are chosen; temperature 0 (or below :data:`MIN_TEMPERATURE`)
@@ -233,6 +259,8 @@ class DecodeConfig:
     ``draft_confidence``: the draft model ends its block early, after the first token it gave
     a probability below this value (0, the default, drafts all ``k`` tokens); it saves draft
     forwards that would likely be rejected, like transformers' assistant confidence threshold.
+    ``auto_k``: choose the block size every round, from 0 (the target alone) to ``k``, for the
+    most expected tokens per second (:mod:`flyspec.auto_k`).
     """
 
     mode: Mode = "fly"
@@ -246,6 +274,7 @@ class DecodeConfig:
     max_ngram: int = DEFAULT_MAX_NGRAM
     mla_proposals: int = DEFAULT_MLA_PROPOSALS
     stop: tuple[str, ...] = ()
+    auto_k: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -295,6 +324,11 @@ class DecodeConfig:
             not (self.drafter == "mla" and self.draft_temperature > 0),
             "the mla drafter drafts greedily; it cannot be combined with draft_temperature > 0",
             field="drafter",
+        )
+        _check(
+            isinstance(self.auto_k, bool),
+            f"auto_k must be True or False, got {self.auto_k!r}",
+            field="auto_k",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),

@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
+from flyspec.auto_k import AutoK, ForwardCosts, measure_block_costs, probe_sizes
 from flyspec.config import DecodeConfig
 from flyspec.decode_state import (
     BusyClock,
@@ -25,7 +26,7 @@ from flyspec.decode_state import (
 )
 from flyspec.drafters import Draft, Drafter, make_drafter
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import CachedLM
+from flyspec.models.cache import CachedLM, LanguageModel
 from flyspec.stats import LooseToken, RequestStats, RoundStats
 from flyspec.verify import (
     Verdict,
@@ -50,7 +51,7 @@ tokens emitted for some :class:`DecodeConfig` (verification, drafting, where blo
 near the budget or an end-of-sequence token): caches of generated text key on it, so no
 cached text outlives the code that produced it."""
 
-_SPECULATION_SETTINGS = ("drafter", "k", "fly", "draft_temperature", "draft_confidence")
+_SPECULATION_SETTINGS = ("drafter", "k", "fly", "draft_temperature", "draft_confidence", "auto_k")
 _DRAFTING_SETTINGS = ("max_ngram", "mla_proposals")
 
 
@@ -60,10 +61,12 @@ def text_settings(config: DecodeConfig) -> dict:
     target alone drafts nothing; exact speculative decoding has no FLy rule)."""
     settings = dataclasses.asdict(config)
     settings.pop("max_new_tokens")
+    if not config.auto_k:
+        settings.pop("auto_k")
     settings["stop"] = list(config.stop)
     if config.mode == "target":
         for name in _SPECULATION_SETTINGS + _DRAFTING_SETTINGS:
-            settings.pop(name)
+            settings.pop(name, None)
     elif config.fly_in_force is None:
         settings.pop("fly")
     return settings
@@ -83,6 +86,10 @@ def budget_margin(config: DecodeConfig) -> int:
 class SpeculativeDecoder:
     """Runs requests on one target model and an optional draft model (batch size 1).
 
+    Each model is a torch module (run by :class:`~flyspec.models.cache.CachedLM`) or any
+    :class:`~flyspec.models.cache.LanguageModel`, such as a llama.cpp model
+    (:class:`~flyspec.models.llamacpp.LlamaCppLM`).
+
     ``eos_token_ids``: tokens that end a request; they are not emitted. ``forward_path``:
     ``lean`` (the default, where the architecture allows) or ``transformers``
     (:func:`flyspec.models.cache.make_forward`).
@@ -90,16 +97,22 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: torch.nn.Module,
-        draft: torch.nn.Module | None = None,
+        target: torch.nn.Module | LanguageModel,
+        draft: torch.nn.Module | LanguageModel | None = None,
         *,
         eos_token_ids: Collection[int] = (),
         forward_path: str = "lean",
     ) -> None:
-        self.target = CachedLM(target, forward_path=forward_path)
-        self.draft = CachedLM(draft, forward_path=forward_path) if draft is not None else None
+        self.target = _language_model(target, forward_path)
+        self.draft = _language_model(draft, forward_path) if draft is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = _output_vocab_size(target)
+        self.block_costs: ForwardCosts | None = None  # -k auto: the target's forward costs
+        self.draft_token_seconds = 0.0  # -k auto: the draft model's first one-token forward
+        self.vocab_size = (
+            _output_vocab_size(target)
+            if isinstance(target, torch.nn.Module)
+            else int(target.vocab_size)
+        )
 
     def stream(
         self,
@@ -145,17 +158,32 @@ class SpeculativeDecoder:
         # token together with the draft block.
         if len(prompt_ids) > 1:
             self.target.logits(progress.context[:-1])
-            if own_drafter and config.uses_draft_model:
+            # With -k auto the draft model reads the prompt only once it first drafts (maybe
+            # never); its cache catches up by itself then.
+            if own_drafter and config.uses_draft_model and not config.auto_k:
                 self.draft.logits(progress.context[:-1])
         stats.prefill_seconds = clock.elapsed()
+        auto = None
+        if config.auto_k and drafter is not None:
+            auto = self._auto_k(progress.context, config, measure_draft=own_drafter)
 
         try:
             while progress.produced + progress.held_length < config.max_new_tokens:
                 remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
+                if auto is not None:
+                    k = auto.choose(k)
                 step = self._round(progress.context, drafter, k, config, target_generator)
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
+                if auto is not None:
+                    auto.observe(
+                        drafted=len(step.draft),
+                        kept=step.verdict.num_kept,
+                        loose_positions=step.verdict.loose_positions,
+                        draft_seconds=step.draft_seconds,
+                        verify_seconds=step.verify_seconds,
+                    )
                 events, finished = self._commit(step, progress, config, drafter, stats)
                 yield from deliver(events, stats, clock)
                 if finished:
@@ -166,6 +194,30 @@ class SpeculativeDecoder:
         finally:
             clock.resume()
             stats.seconds = clock.elapsed()
+
+    def _auto_k(self, context: list[int], config: DecodeConfig, *, measure_draft: bool) -> AutoK:
+        """The block-size policy of one request. The target's forward costs are measured on the
+        request's context the first time (and for sizes not yet measured), then kept and
+        refined by every round; so is the draft model's cost per token."""
+        sizes = probe_sizes(config.k + 1)
+        known = {} if self.block_costs is None else self.block_costs.seconds
+        if not set(sizes) <= set(known):
+            # Twice over, keeping the faster: the first forwards of a process may run cold.
+            first = measure_block_costs(self.target, context, sizes)
+            second = measure_block_costs(self.target, context, sizes)
+            known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
+            self.block_costs = ForwardCosts(known)
+        if measure_draft and config.uses_draft_model and self.draft_token_seconds == 0:
+            first = measure_block_costs(self.draft, context, [1])[1]
+            self.draft_token_seconds = min(first, measure_block_costs(self.draft, context, [1])[1])
+        fly = config.fly_in_force
+        return AutoK(
+            max_k=config.k,
+            costs=self.block_costs,
+            window=None if fly is None else fly.window,
+            defer=fly is not None and fly.defer,
+            draft_seconds=self.draft_token_seconds if config.uses_draft_model else 0.0,
+        )
 
     def _round(
         self,
@@ -385,6 +437,13 @@ def _generator(
     else:
         generator.manual_seed(config.sampling.seed + offset)
     return generator
+
+
+def _language_model(model: torch.nn.Module | LanguageModel, forward_path: str) -> LanguageModel:
+    """A torch module wrapped with its KV cache; a language model as it is."""
+    if isinstance(model, torch.nn.Module):
+        return CachedLM(model, forward_path=forward_path)
+    return model
 
 
 def _output_vocab_size(model: torch.nn.Module) -> int:

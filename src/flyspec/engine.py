@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.config import DecodeConfig, KernelConfig
+from flyspec.config import BACKENDS, DecodeConfig, KernelConfig, LlamaCppConfig
 from flyspec.decode import Origin, SpeculativeDecoder, TokenEvent
 from flyspec.drafters import Drafter
 from flyspec.errors import FlyspecError
+from flyspec.models.cache import LanguageModel
+from flyspec.models.llamacpp import LlamaCppLM, gguf_tokenizer, llamacpp_identity
 from flyspec.stats import RequestStats
 
 
@@ -112,9 +114,9 @@ class Engine:
     def __init__(
         self,
         *,
-        target_model: torch.nn.Module,
+        target_model: torch.nn.Module | LanguageModel,
         tokenizer,
-        draft_model: torch.nn.Module | None = None,
+        draft_model: torch.nn.Module | LanguageModel | None = None,
         target_name: str = "target",
         draft_name: str | None = None,
         forward_path: str = "lean",
@@ -128,26 +130,33 @@ class Engine:
             eos_token_ids=eos_token_ids(tokenizer, target_model),
             forward_path=forward_path,
         )
+        self.backend = "llamacpp" if isinstance(self.decoder.target, LlamaCppLM) else "torch"
         self.kernels: dict = {
             "linear": "default",
             "draft_quant": "none",
             "target_quant": "none",
             "forward": self.decoder.target.forward_path,
         }
+        if self.backend == "llamacpp":
+            self.kernels = {"backend": "llamacpp", **llamacpp_identity(self.decoder.target)}
         if self.decoder.draft is not None:
             self.kernels["draft_forward"] = self.decoder.draft.forward_path
 
     @property
-    def target_model(self) -> torch.nn.Module:
+    def target_model(self) -> torch.nn.Module | None:
+        """The target's torch module (None on the llama.cpp backend)."""
         return self.decoder.target.model
 
     @property
     def draft_model(self) -> torch.nn.Module | None:
+        """The draft's torch module (None without a draft, and on the llama.cpp backend)."""
         return None if self.decoder.draft is None else self.decoder.draft.model
 
     @property
     def context_length(self) -> int:
         """The most positions (prompt + generated) the target model supports."""
+        if self.backend == "llamacpp":
+            return self.decoder.target.context_length
         return int(getattr(self.target_model.config, "max_position_embeddings", 0) or 2**31 - 1)
 
     @classmethod
@@ -160,11 +169,23 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         kernels: KernelConfig | None = None,
+        backend: str = "torch",
+        llamacpp: LlamaCppConfig | None = None,
     ) -> Engine:
         """Load a pair (the embedded default pair where a name is None), check that the two
         tokenizers agree and switch the models to ``kernels`` (by default the kernels every
         ``flyspec`` command uses, so that the library gives the commands' tokens).
-        ``with_draft=False`` skips the draft (target-only decoding)."""
+        ``with_draft=False`` skips the draft (target-only decoding).
+
+        ``backend="llamacpp"``: the models are GGUF files run by llama.cpp (the default pair's
+        are those of ``flyspec models pull --gguf``), with ``llamacpp``'s settings; ``device``,
+        ``dtype`` and ``kernels`` do not apply."""
+        if backend not in BACKENDS:
+            raise FlyspecError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend == "llamacpp":
+            return cls._load_llamacpp(
+                target=target, draft=draft, with_draft=with_draft, settings=llamacpp
+            )
         kernels = kernels or KernelConfig()
         from flyspec.kernels import apply_cpu_kernels, check_target_quant
         from flyspec.models import (
@@ -198,6 +219,41 @@ class Engine:
         )
         apply_cpu_kernels(engine, kernels)
         return engine
+
+    @classmethod
+    def _load_llamacpp(
+        cls,
+        *,
+        target: str | None,
+        draft: str | None,
+        with_draft: bool,
+        settings: LlamaCppConfig | None,
+    ) -> Engine:
+        from flyspec.models import check_same_tokenizer
+        from flyspec.models.default_pair import default_gguf_paths
+        from flyspec.models.llamacpp import require_llamacpp
+
+        settings = settings or LlamaCppConfig()
+        require_llamacpp()  # before anything slow
+        if target is None or (with_draft and draft is None):
+            defaults = default_gguf_paths()
+            target = target or str(defaults.target)
+            draft = draft or str(defaults.draft)
+        tokenizer = gguf_tokenizer(target)
+        draft_lm = None
+        if with_draft:
+            check_same_tokenizer(
+                gguf_tokenizer(draft), tokenizer, draft_name=draft, target_name=target
+            )
+            draft_lm = LlamaCppLM(draft, context=settings.context, threads=settings.threads)
+        target_lm = LlamaCppLM(target, context=settings.context, threads=settings.threads)
+        return cls(
+            target_model=target_lm,
+            draft_model=draft_lm,
+            tokenizer=tokenizer,
+            target_name=target,
+            draft_name=draft if with_draft else None,
+        )
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set."""
@@ -287,11 +343,14 @@ class Engine:
         )
 
 
-def eos_token_ids(tokenizer, model: torch.nn.Module) -> set[int]:
-    """Every token that ends a request: the tokenizer's EOS and the model's generation config."""
+def eos_token_ids(tokenizer, model: torch.nn.Module | LanguageModel) -> set[int]:
+    """Every token that ends a request: the tokenizer's EOS and the model's generation config
+    (a llama.cpp model: the tokens llama.cpp ends a generation at)."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    if isinstance(model, LlamaCppLM):
+        return ids | model.end_of_generation_tokens()
     generation_config = getattr(model, "generation_config", None)
     configured = getattr(generation_config, "eos_token_id", None)
     if isinstance(configured, int):

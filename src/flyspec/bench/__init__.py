@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 
 from flyspec.bench.methods import (
-    FLYSPEC_METHODS,
     LOSSLESS_METHODS,
     make_method,
     measured_run,
+    method_base,
     parse_methods,
 )
 from flyspec.bench.prompts import BenchPrompt
@@ -38,11 +38,18 @@ def run_benchmark(
     dataset: str = "prompts",
     warmup: bool = True,
     repeats: int = 1,
+    llamacpp_engine=None,
+    baseline: str = "target",
 ) -> dict:
     """Run every method on every prompt, interleaved per prompt, ``repeats`` times; return the
     report (config, environment, what else used the CPU, per-method figures and per-sample
     records, every repeat's). ``config`` (a DecodeConfig) carries K, the FLy rule, sampling
-    and ``max_new_tokens``; each method sets its own mode."""
+    and ``max_new_tokens``; each method sets its own mode.
+
+    ``engine``: flyspec's engine for flyspec's and transformers' methods (None when only
+    llama.cpp's run); ``llamacpp_engine``: the same pair on llama.cpp, for the ``llamacpp-*``
+    methods, whose outputs are compared with ``llamacpp-target``'s where it runs. Speedups are
+    over ``baseline``, and also over ``llamacpp-target`` where it runs."""
     from tqdm import tqdm
 
     from flyspec.bench.prompts import encode_prompts
@@ -54,13 +61,16 @@ def run_benchmark(
     )
     from flyspec.machine import CpuMonitor, combined_load
 
-    method_names = parse_methods(",".join(method_names))
+    method_names = parse_methods(",".join(method_names), baseline=baseline)
     if not prompts:
         raise FlyspecError("no prompts to benchmark")
     if repeats < 1:
         raise FlyspecError(f"repeats must be >= 1, got {repeats}")
-    methods = [make_method(name, engine, config) for name in method_names]
-    prompt_ids = encode_prompts(engine.tokenizer, prompts)
+    methods = [
+        make_method(name, engine, config, llamacpp_engine=llamacpp_engine) for name in method_names
+    ]
+    tokenizer = (engine or llamacpp_engine).tokenizer
+    prompt_ids = encode_prompts(tokenizer, prompts)
     seed = config.sampling.seed
 
     def sample_seed(index: int) -> int | None:
@@ -107,6 +117,7 @@ def run_benchmark(
     samples: dict[str, list[dict]] = {}
     summaries = []
     for method in methods:
+        reference = reference_method(method.name, method_names, baseline)
         records = [
             record
             for repeat in range(repeats)
@@ -114,27 +125,33 @@ def run_benchmark(
                 prompts,
                 prompt_ids,
                 runs[method.name][repeat],
-                runs["target"][repeat],
-                decode=lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+                runs[reference][repeat],
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 repeat=repeat,
             )
         ]
         samples[method.name] = records
+        with_rounds = all(run.stats is not None for repeat in runs[method.name] for run in repeat)
         rounds = (
             [r for repeat in runs[method.name] for run in repeat for r in run.stats.rounds]
-            if method.name in FLYSPEC_METHODS
+            if with_rounds
             else None
         )
-        summaries.append(
-            summarise_method(
-                method.name,
-                records,
-                rounds,
-                [r["tokens_per_second"] for r in samples["target"]],
-                k=config.k,
-                settings=method.settings,
-            )
+        summary = summarise_method(
+            method.name,
+            records,
+            rounds,
+            _speeds(samples, baseline),  # the baseline runs first
+            k=getattr(method, "config", config).k,
+            settings=method.settings,
         )
+        summary["identical_to"] = reference
+        summaries.append(summary)
+    if LLAMACPP_BASELINE in samples:
+        for summary in summaries:
+            summary["speedup_over_llamacpp"] = _speedup_over(
+                summary, samples, _speeds(samples, LLAMACPP_BASELINE)
+            )
     return {
         "config": {
             "dataset": dataset,
@@ -144,8 +161,10 @@ def run_benchmark(
             "max_ngram": config.max_ngram,
             "mla_proposals": config.mla_proposals,
             "draft_confidence": config.draft_confidence,
-            "target": engine.target_name,
-            "draft": engine.draft_name,
+            "baseline": baseline,
+            "target": (engine or llamacpp_engine).target_name,
+            "draft": (engine or llamacpp_engine).draft_name,
+            "llamacpp": None if llamacpp_engine is None else llamacpp_engine.kernels,
             "warmup": warmup,
             "repeats": repeats,
             "method_order_per_repeat": orders,
@@ -159,6 +178,21 @@ def run_benchmark(
         "prompts": [prompt.as_dict() for prompt in prompts],
         "samples": samples,
     }
+
+
+LLAMACPP_BASELINE = "llamacpp-target"
+
+
+def reference_method(name: str, method_names: Sequence[str], baseline: str) -> str:
+    """The method whose outputs ``name``'s are compared with, token for token: llama.cpp's
+    plain decoding for the methods on the GGUF files (where it runs), else the baseline."""
+    if method_base(name).startswith("llamacpp-") and LLAMACPP_BASELINE in method_names:
+        return LLAMACPP_BASELINE
+    return baseline
+
+
+def _speeds(samples: dict, name: str) -> list[float]:
+    return [r["tokens_per_second"] for r in samples[name]]
 
 
 def console_notes(report: dict) -> list[str]:
@@ -186,7 +220,7 @@ def lossless_warnings(report: dict) -> list[str]:
         f"{summary['samples'] - summary['identical_to_target']} of its outputs differ from its "
         "baseline's"
         for summary in report["methods"]
-        if summary["method"] in LOSSLESS_METHODS
+        if method_base(summary["method"]) in LOSSLESS_METHODS
         and summary["identical_to_target"] < summary["samples"]
     ]
 

@@ -79,8 +79,29 @@ def time_runners(
     return times
 
 
+class RewindingRunner:
+    """A :class:`~flyspec.models.llamacpp.LlamaCppLM` behind the runner interface that
+    :func:`time_runners` drives (``reset``, ``forward`` over new ids, ``crop``)."""
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.tokens = []
+
+    def crop(self, length: int) -> None:
+        self.lm.rewind(length)
+        del self.tokens[length:]
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        self.tokens += input_ids[0].tolist()
+        return self.lm.logits(self.tokens, num_logits)
+
+
 def time_forwards(
-    model: torch.nn.Module,
+    model,
     *,
     new_tokens: Sequence[int],
     forward_paths: Sequence[str] = ("lean",),
@@ -91,9 +112,22 @@ def time_forwards(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[int, list[float]]]:
     """:func:`time_runners` for one model, one runner per forward path
-    (:func:`flyspec.models.cache.make_forward`): ``{path: {n: [s]}}``."""
+    (:func:`flyspec.models.cache.make_forward`): ``{path: {n: [s]}}``. A llama.cpp model
+    (:class:`~flyspec.models.llamacpp.LlamaCppLM`) has the one path ``llamacpp``."""
     from flyspec.models.cache import make_forward
+    from flyspec.models.llamacpp import LlamaCppLM
 
+    if isinstance(model, LlamaCppLM):
+        return time_runners(
+            {model.forward_path: RewindingRunner(model)},
+            vocab_size=model.vocab_size,
+            new_tokens=new_tokens,
+            context_tokens=context_tokens,
+            repeats=repeats,
+            warmup=warmup,
+            seed=seed,
+            clock=clock,
+        )
     return time_runners(
         {path: make_forward(model, path) for path in forward_paths},
         vocab_size=int(model.get_input_embeddings().weight.shape[0]),
@@ -108,7 +142,7 @@ def time_forwards(
 
 
 def measure_forward_cost(
-    model: torch.nn.Module,
+    model,
     *,
     max_new_tokens: int,
     context_tokens: int = 200,

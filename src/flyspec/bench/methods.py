@@ -3,8 +3,16 @@
 A method runs one prompt to the end and returns the new token ids and the wall time of the
 call. flyspec's own methods (``target``, ``spd``, ``ngram``, ``fly``, ``fly-mla``) also return
 their per-round statistics; transformers' peers (``hf-*``: ``model.generate`` with an assistant
-model or prompt lookup) return tokens and time only. Every method stops at the same EOS set and
-``max_new_tokens`` and counts only newly generated tokens.
+model or prompt lookup) return tokens and time only. llama.cpp's own decoding of the GGUF files
+(``llamacpp-target``, and ``llamacpp-lookup``, the binding's prompt-lookup speculative decoding)
+return tokens and time; flyspec's loop on llama.cpp forwards (``llamacpp-spd``,
+``llamacpp-ngram``, ``llamacpp-fly``, ``llamacpp-fly-mla``) is flyspec's decoder on the
+llama.cpp engine. Every method stops at the same EOS set and ``max_new_tokens`` and counts only
+newly generated tokens.
+
+A speculative method's name may end in ``@K`` to set its block size apart from ``-k``:
+``fly@5``, ``llamacpp-fly@8``, or ``fly@auto`` (the block chosen every round,
+:mod:`flyspec.auto_k`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ PAPER_RULE_METHODS = frozenset({"fly-paper"})
 whatever the FLy flags say: the reference that settings of ``fly`` are compared with in one
 run."""
 HF_METHODS = ("hf-assisted-k", "hf-assisted", "hf-pld", "hf-target")
+# name -> flyspec's method it runs on the llama.cpp engine.
+LLAMACPP_LOOP_METHODS: dict[str, str] = {
+    "llamacpp-spd": "spd",
+    "llamacpp-ngram": "ngram",
+    "llamacpp-fly": "fly",
+    "llamacpp-fly-mla": "fly-mla",
+}
+LLAMACPP_OWN_METHODS = ("llamacpp-target", "llamacpp-lookup")
+LLAMACPP_METHODS = (*LLAMACPP_OWN_METHODS, *LLAMACPP_LOOP_METHODS)
 DEFAULT_METHODS = (
     "target",
     "spd",
@@ -46,31 +63,69 @@ DEFAULT_METHODS = (
 VLLM_METHOD_NAMES = ("vllm-target", "vllm-spd", "vllm-fly")  # flyspec.bench.vllm
 DEFAULT_VLLM_METHODS = (*VLLM_METHOD_NAMES, "target", "fly", "fly-mla")
 IN_PROCESS_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)  # run on a loaded flyspec Engine
-ALL_METHODS = (*IN_PROCESS_METHODS, *VLLM_METHOD_NAMES)
+ALL_METHODS = (*IN_PROCESS_METHODS, *LLAMACPP_METHODS, *VLLM_METHOD_NAMES)
 METHODS_NEEDING_DRAFT = frozenset(
     {"spd", "fly", "fly-mla", "fly-paper", "hf-assisted-k", "hf-assisted"}
 )
-LOSSLESS_METHODS = frozenset({"target", "spd", "ngram", "hf-target", "vllm-target", "vllm-spd"})
+LLAMACPP_METHODS_NEEDING_DRAFT = frozenset({"llamacpp-spd", "llamacpp-fly", "llamacpp-fly-mla"})
+LOSSLESS_METHODS = frozenset(
+    {
+        "target",
+        "spd",
+        "ngram",
+        "hf-target",
+        "vllm-target",
+        "vllm-spd",
+        "llamacpp-target",
+        "llamacpp-lookup",
+        "llamacpp-spd",
+        "llamacpp-ngram",
+    }
+)
+SPECULATIVE_METHODS = frozenset(
+    {name for name, (mode, _) in FLYSPEC_METHODS.items() if mode != "target"}
+    | set(LLAMACPP_LOOP_METHODS)
+)
+
+
+def method_base(name: str) -> str:
+    """A method's name without its ``@K`` block size: ``fly@5`` -> ``fly``."""
+    return name.partition("@")[0]
+
+
+def method_block(name: str) -> int | str | None:
+    """The block size a method's name sets: ``fly@5`` -> 5, ``fly@auto`` -> ``"auto"``,
+    ``fly`` -> None (``-k``'s). FlyspecError for a bad one."""
+    base, at, text = name.partition("@")
+    if not at:
+        return None
+    if base not in SPECULATIVE_METHODS:
+        raise FlyspecError(f"method {base} drafts nothing: it takes no @K (in {name!r})")
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise FlyspecError(f"the block size after @ must be an integer >= 1 or auto, in {name!r}")
+    return int(text)
 
 
 def parse_methods(text: str, *, baseline: str = "target") -> list[str]:
     """``"target,fly"`` -> ``["target", "fly"]``, validated; the ``baseline`` of every
-    speedup is added first when missing."""
+    speedup comes first (added when missing)."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise FlyspecError(f"--methods is empty; choose from {', '.join(ALL_METHODS)}")
-    unknown = [name for name in names if name not in ALL_METHODS]
+    unknown = [name for name in names if method_base(name) not in ALL_METHODS]
     if unknown:
         raise FlyspecError(
             f"unknown method(s) {', '.join(unknown)} in --methods; "
-            f"choose from {', '.join(ALL_METHODS)}"
+            f"choose from {', '.join(ALL_METHODS)} (a speculative one may end in @K or @auto)"
         )
+    for name in names:
+        method_block(name)
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise FlyspecError(f"method(s) listed twice in --methods: {', '.join(duplicates)}")
-    if baseline not in names:
-        names.insert(0, baseline)
-    return names
+    return [baseline, *(name for name in names if name != baseline)]
 
 
 @dataclass
@@ -112,18 +167,25 @@ def _cut_at_eos(tokens: Sequence[int], eos_token_ids: frozenset[int]) -> list[in
 
 
 class FlyspecMethod:
-    """flyspec's decoder in one mode/drafter; timed around the whole token stream."""
+    """flyspec's decoder in one mode/drafter, on whichever backend ``engine`` runs; timed around
+    the whole token stream."""
 
     def __init__(self, name: str, engine, config: DecodeConfig) -> None:
-        mode, drafter = FLYSPEC_METHODS[name]
-        if name in PAPER_RULE_METHODS:
+        base = method_base(name)
+        mode, drafter = FLYSPEC_METHODS[LLAMACPP_LOOP_METHODS.get(base, base)]
+        if base in PAPER_RULE_METHODS:
             config = config.with_updates(fly=FlyConfig())
+        block = method_block(name)
+        if block == "auto":
+            config = config.with_updates(auto_k=True)
+        elif block is not None:
+            config = config.with_updates(k=block, auto_k=False)
         self.name = name
         self.decoder = engine.decoder
         self.config = config.with_updates(mode=mode, drafter=drafter)
-        self.settings = {"mode": mode, "drafter": drafter}
+        self.settings = {"mode": mode, "drafter": drafter, "backend": engine.backend}
         if mode != "target":
-            self.settings["k"] = config.k
+            self.settings["k"] = "auto" if self.config.auto_k else self.config.k
         if mode == "fly":
             self.settings.update(asdict(config.fly))
 
@@ -234,8 +296,81 @@ class HfMethod:
         return SampleRun(_cut_at_eos(new_tokens, self.eos_token_ids), seconds)
 
 
-def make_method(name: str, engine, config: DecodeConfig) -> BenchMethod:
-    if name in FLYSPEC_METHODS:
+class LlamaCppOwnMethod:
+    """llama.cpp's own decoding through its binding's ``Llama.generate`` on the target's GGUF
+    file: greedy or sampled plain decoding (``llamacpp-target``), or the binding's prompt-lookup
+    speculative decoding with ``K`` proposed tokens (``llamacpp-lookup``). The state is reset
+    before every prompt, so no method reuses another prompt's cache."""
+
+    def __init__(self, name: str, engine, config: DecodeConfig) -> None:
+        from flyspec.models.llamacpp import require_llamacpp
+
+        llama_cpp = require_llamacpp()
+        lm = engine.decoder.target
+        draft_model = None
+        context = lm.context_length
+        if name == "llamacpp-lookup":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft_model = LlamaPromptLookupDecoding(
+                max_ngram_size=config.max_ngram, num_pred_tokens=config.k
+            )
+            context = min(context, 2048)  # it keeps every position's logits: 1.2 GB at 2048
+        self.name = name
+        self.llama = llama_cpp.Llama(
+            model_path=str(lm.path),
+            n_ctx=context,
+            n_threads=lm.threads,
+            n_threads_batch=lm.threads,
+            draft_model=draft_model,
+            verbose=False,
+        )
+        self.eos_token_ids = frozenset(engine.decoder.eos_token_ids)
+        self.sampling = config.sampling
+        self.settings = {"backend": "llamacpp", "binding": "Llama.generate"}
+        if draft_model is not None:
+            self.settings.update(k=config.k, max_ngram=config.max_ngram)
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+        if len(prompt_ids) + max_new_tokens > self.llama.n_ctx():
+            raise FlyspecError(
+                f"{self.name}: a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new "
+                f"ones exceeds its context of {self.llama.n_ctx()}"
+            )
+        sampling = self.sampling
+        if not sampling.greedy:
+            self.llama.set_seed(seed if seed is not None else 0)
+        tokens: list[int] = []
+        self.llama.reset()
+        started = time.perf_counter()
+        for token in self.llama.generate(
+            list(prompt_ids),
+            temp=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=0.0,
+            repeat_penalty=1.0,
+        ):
+            if token in self.eos_token_ids:
+                break
+            tokens.append(int(token))
+            if len(tokens) == max_new_tokens:
+                break
+        seconds = time.perf_counter() - started
+        return SampleRun(tokens, seconds)
+
+
+def make_method(name: str, engine, config: DecodeConfig, *, llamacpp_engine=None) -> BenchMethod:
+    """The method ``name`` on ``engine`` (flyspec's and transformers'), or on
+    ``llamacpp_engine`` (the ``llamacpp-*`` methods: the same pair's GGUF files)."""
+    base = method_base(name)
+    if base in LLAMACPP_METHODS:
+        if llamacpp_engine is None:
+            raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
+        if base in LLAMACPP_OWN_METHODS:
+            return LlamaCppOwnMethod(name, llamacpp_engine, config)
+        return FlyspecMethod(name, llamacpp_engine, config)
+    if base in FLYSPEC_METHODS:
         return FlyspecMethod(name, engine, config)
     if name in HF_METHODS:
         return HfMethod(name, engine, config)

@@ -264,11 +264,17 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     """One row per method: speed, speedup, tau, acceptance, time split, identical outputs,
     and the throughput with several requests in flight where it was measured."""
     concurrent = any(s.get("concurrent_tokens_per_second") for s in summaries)
+    over_llamacpp = baseline != "llamacpp-target" and any(
+        s.get("speedup_over_llamacpp") is not None for s in summaries
+    )
     header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
         f"| verifying s | = {baseline} | peak RSS GiB |"
     )
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if over_llamacpp:
+        header += " over llamacpp-target |"
+        rule += "---:|"
     if concurrent:
         header += " tok/s in flight |"
         rule += "---:|"
@@ -284,9 +290,12 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
             _cell(s.get("prefill_seconds"), ".1f"),
             _cell(s.get("draft_seconds"), ".1f"),
             _cell(s.get("verify_seconds"), ".1f"),
-            f"{s['identical_to_target']}/{s['samples']}",
+            f"{s['identical_to_target']}/{s['samples']}"
+            + ("" if s.get("identical_to", baseline) == baseline else f" ({s['identical_to']})"),
             _cell(gib(s["peak_rss_bytes"]) if s.get("peak_rss_bytes") else None, ".2f"),
         ]
+        if over_llamacpp:
+            cells.append(_with_range(s.get("speedup_over_llamacpp"), None, "x"))
         if concurrent:
             cells.append(_cell(s.get("concurrent_tokens_per_second"), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")

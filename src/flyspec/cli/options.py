@@ -36,6 +36,16 @@ def number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
+def block_size(text: str) -> int | str:
+    """argparse type of -k: an integer, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer or auto: {text!r}") from None
+
+
 def say(message: str) -> None:
     """A progress or status line on stderr (stdout carries the command's result)."""
     print(message, file=sys.stderr, flush=True)
@@ -49,6 +59,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft", help="draft model: folder, .gguf file or cached hub id (default: embedded)"
+    )
+    parser.add_argument(
+        "--backend",
+        default="torch",
+        choices=cfg.BACKENDS,
+        help="what runs the forwards: torch (default; any Hugging Face model, any device) or "
+        "llamacpp (GGUF files on the CPU through llama-cpp-python: --target/--draft name .gguf "
+        "files, by default the pair's from `flyspec models pull --gguf`)",
+    )
+    parser.add_argument(
+        "--llamacpp-threads",
+        type=int,
+        default=0,
+        help="llama.cpp's threads (default 0: every core this process may use)",
+    )
+    parser.add_argument(
+        "--llamacpp-context",
+        type=int,
+        default=cfg.LlamaCppConfig().context,
+        help="tokens of context llama.cpp allocates (default 8192)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
@@ -102,6 +132,8 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
 
     started = time.perf_counter()
     say(f"loading models{' (target only)' if not with_draft else ''} ...")
+    if getattr(args, "backend", "torch") == "llamacpp":
+        return load_llamacpp_engine(args, with_draft=with_draft)
     engine = Engine.load(
         target=args.target,
         draft=args.draft,
@@ -115,6 +147,31 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
         f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()}, "
         f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
         f"target: {kernels['target_quant']}, forward: {kernels['forward']})"
+    )
+    return engine
+
+
+def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
+    """The pair named by --target/--draft (the default pair's GGUF files) on llama.cpp."""
+    from flyspec.engine import Engine
+
+    if args.device not in ("cpu", "auto") or args.dtype != "float32":
+        raise FlyspecError(
+            "--backend llamacpp runs the GGUF files' own weights on the CPU: drop --device and "
+            "--dtype"
+        )
+    started = time.perf_counter()
+    engine = Engine.load(
+        target=args.target,
+        draft=args.draft,
+        with_draft=with_draft,
+        backend="llamacpp",
+        llamacpp=cfg.LlamaCppConfig(context=args.llamacpp_context, threads=args.llamacpp_threads),
+    )
+    kernels = engine.kernels
+    say(
+        f"loaded on llama.cpp {kernels['llamacpp']} in {time.perf_counter() - started:.1f}s "
+        f"(threads: {kernels['threads']}, target: {kernels['weights']})"
     )
     return engine
 
@@ -154,6 +211,8 @@ def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode
     --target/--draft are not given)."""
     from flyspec.integrations.vllm.launch import VllmEngineSpec, native_fly_version, require_vllm
 
+    if config.auto_k:
+        raise FlyspecError("-k auto runs in flyspec's own engine; give vLLM a fixed -k")
     require_vllm()
     target, draft = args.target, args.draft
     if target is None or (draft is None and config.drafter == "model" and mode != "target"):
@@ -197,7 +256,12 @@ def add_decode_arguments(
         (("--drafter",), dict(default="model", choices=cfg.DRAFTERS, help="default: model")),
         (
             ("-k", "--k"),
-            dict(type=int, default=cfg.DEFAULT_K, help="draft block length (default 15)"),
+            dict(
+                type=block_size,
+                default=cfg.DEFAULT_K,
+                help="draft block length (default 15), or auto: chosen every round from 0 (the "
+                "target alone) to 15 for the most expected tokens per second",
+            ),
         ),
         (
             ("--window",),
@@ -342,6 +406,8 @@ def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConf
     }
     if "stop" in values:
         decode["stop"] = tuple(values["stop"])
+    if decode.get("k") == "auto":
+        decode.update(k=cfg.DEFAULT_K, auto_k=True)
     return cfg.DecodeConfig(
         fly=dataclasses.replace(fly, **given), sampling=cfg.SamplingConfig(**sampling), **decode
     )

@@ -13,7 +13,7 @@ from flyspec.drafters.mla import MlaDrafter
 from flyspec.drafters.model import ModelDrafter
 from flyspec.drafters.ngram import NgramDrafter, find_ngram_continuation
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import CachedLM
+from flyspec.models.cache import LanguageModel
 
 __all__ = [
     "Draft",
@@ -29,7 +29,7 @@ __all__ = [
 def make_drafter(
     config: DecodeConfig,
     *,
-    draft_lm: CachedLM | None,
+    draft_lm: LanguageModel | None,
     end_tokens: Collection[int] = (),
     generator: torch.Generator | None = None,
 ) -> Drafter | None:

@@ -16,7 +16,7 @@ import torch
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
 from flyspec.drafters.base import Draft, end_index, first_unconfident, token_confidence
 from flyspec.drafters.ngram import find_ngram_continuation
-from flyspec.models.cache import CachedLM
+from flyspec.models.cache import LanguageModel
 
 
 class MlaDrafter:
@@ -24,7 +24,7 @@ class MlaDrafter:
 
     def __init__(
         self,
-        lm: CachedLM,
+        lm: LanguageModel,
         *,
         proposals: int = DEFAULT_MLA_PROPOSALS,
         max_ngram: int = DEFAULT_MAX_NGRAM,

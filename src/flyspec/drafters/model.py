@@ -8,7 +8,7 @@ import torch
 
 from flyspec.config import SamplingConfig
 from flyspec.drafters.base import Draft, first_unconfident, token_confidence
-from flyspec.models.cache import CachedLM
+from flyspec.models.cache import LanguageModel
 from flyspec.verify import sampling_probs
 
 
@@ -20,7 +20,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        lm: CachedLM,
+        lm: LanguageModel,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -86,6 +87,29 @@ def make_forward(model: torch.nn.Module, path: str = "lean") -> TransformersForw
     if path == "lean" and lean_unsupported_reason(model) is None:
         return LeanForward(model)
     return TransformersForward(model)
+
+
+class LanguageModel(Protocol):
+    """What the decoding loop and the drafters need of a model: logits for the last positions
+    of a token sequence, reusing what it cached of an earlier one. :class:`CachedLM` (torch)
+    and :class:`~flyspec.models.llamacpp.LlamaCppLM` (llama.cpp) follow it."""
+
+    device: torch.device
+    forward_path: str
+    forward_calls: int
+
+    def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
+        """``[num_logits, V]``: row ``j`` predicts the token after
+        ``tokens[len(tokens) - num_logits + j]``."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything cached (a new request)."""
+        ...
+
+    def state_bytes(self) -> int:
+        """The bytes the model's cache holds."""
+        ...
 
 
 class CachedLM:

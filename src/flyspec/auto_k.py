@@ -1,0 +1,203 @@
+"""The block size chosen every round (``-k auto``): the K, from 0 (the target alone) to the
+largest allowed, that gives the most expected tokens per second.
+
+A round that drafts K tokens costs ``C(K) = K * d + V(K + 1)``: ``d`` seconds per drafted token
+and ``V(n)``, one target forward over n tokens. It commits ``E(K) = 1 + sum_{j=1..K}
+prod_{i<=j} p_i(K)`` tokens on average, where ``p_i(K)`` is the chance that draft position
+``i`` is kept once the ones before it were: kept exactly, or (FLy) loosely, which needs the
+deferred window to fit in the block (``i + W <= K``; any K with deferral). The policy picks
+``argmax E(K) / C(K)``, so where no block pays it decodes with the target alone.
+
+``V`` starts from a measured table (one forward per size over the request's own context,
+:func:`measure_block_costs`) and, like ``d`` and the per-position rates, follows what the rounds
+of the request measure. Rounds at K=0 teach nothing about acceptance, so after
+:data:`PROBE_AFTER` of them in a row one round drafts again at the best K above 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+PROBE_AFTER = 16
+"""Rounds of the target alone after which one round drafts again, to refresh the rates."""
+PRIOR_RATE = 0.7
+"""The prior chance that a draft position is kept, before any round is seen (optimistic, so
+that drafting is tried)."""
+PRIOR_WEIGHT = 2.0
+"""How many observations the prior counts for, per position."""
+DECAY = 0.95
+"""Each round's weight in the running rates shrinks by this factor per later round."""
+COST_SMOOTHING = 0.3
+"""Weight of a newly measured forward or drafting time in the running cost."""
+
+
+def expected_tokens(p: Sequence[float]) -> float:
+    """Tokens a round commits on average when ``p[i]`` is the chance that position ``i + 1``
+    is kept once the ones before it were: ``1 + sum_j prod_{i<=j} p_i`` (the final 1 is the
+    target's own token, a correction or a bonus)."""
+    total, survive = 1.0, 1.0
+    for rate in p:
+        survive *= rate
+        total += survive
+    return total
+
+
+@dataclass
+class ForwardCosts:
+    """Seconds of one target forward over n tokens, measured at a few n and interpolated
+    linearly between them (beyond the largest, extended along the last segment)."""
+
+    seconds: dict[int, float]
+
+    def __post_init__(self) -> None:
+        if not self.seconds or min(self.seconds) < 1:
+            raise ValueError("forward costs need at least one size n >= 1")
+
+    def __call__(self, n: int) -> float:
+        sizes = sorted(self.seconds)
+        if n in self.seconds:
+            return self.seconds[n]
+        if len(sizes) == 1:
+            return self.seconds[sizes[0]] * n / sizes[0]
+        at = bisect.bisect_left(sizes, n)
+        low, high = (
+            (sizes[0], sizes[1])
+            if at == 0
+            else (sizes[-2], sizes[-1])
+            if at == len(sizes)
+            else (sizes[at - 1], sizes[at])
+        )
+        slope = (self.seconds[high] - self.seconds[low]) / (high - low)
+        return max(self.seconds[low] + slope * (n - low), 1e-9)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Fold in a measured forward over ``n`` tokens."""
+        before = self(n)
+        self.seconds[n] = (1 - COST_SMOOTHING) * before + COST_SMOOTHING * seconds
+
+
+@dataclass
+class AutoK:
+    """Running estimates of one request and the block size they choose.
+
+    ``max_k``: the largest block; ``window``: FLy's deferred window (None for lossless
+    decoding, whose positions are kept exactly or not at all); ``defer``: FLy's deferral
+    (a window may then run past the block); ``draft_seconds``: the first estimate of ``d``.
+    """
+
+    max_k: int
+    costs: ForwardCosts
+    window: int | None = None
+    defer: bool = False
+    draft_seconds: float = 0.0
+    reached: list[float] = field(default_factory=list)
+    exact: list[float] = field(default_factory=list)
+    loose: list[float] = field(default_factory=list)
+    plain_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        self.reached = [0.0] * self.max_k
+        self.exact = [0.0] * self.max_k
+        self.loose = [0.0] * self.max_k
+
+    def rates(self, k: int) -> list[float]:
+        """``p_i(k)`` for i = 1..k: each position's running exact rate, plus its loose rate
+        where FLy's window fits in a block of ``k``."""
+        exact_prior, loose_prior = self._pooled()
+        rates = []
+        for i in range(k):
+            weight = self.reached[i] + PRIOR_WEIGHT
+            exact = (self.exact[i] + PRIOR_WEIGHT * exact_prior) / weight
+            loose = (self.loose[i] + PRIOR_WEIGHT * loose_prior) / weight
+            fits = self.window is not None and (self.defer or i + 1 + self.window <= k)
+            rates.append(min(exact + (loose if fits else 0.0), 1.0))
+        return rates
+
+    def _pooled(self) -> tuple[float, float]:
+        """The exact and loose rates over all positions (the prior of each position)."""
+        reached = sum(self.reached)
+        exact_share = PRIOR_RATE if self.window is None else PRIOR_RATE * 0.8
+        exact = (sum(self.exact) + PRIOR_WEIGHT * exact_share) / (reached + PRIOR_WEIGHT)
+        if self.window is None:
+            return exact, 0.0
+        loose_share = PRIOR_RATE - exact_share
+        return exact, (sum(self.loose) + PRIOR_WEIGHT * loose_share) / (reached + PRIOR_WEIGHT)
+
+    def tokens_per_second(self, k: int) -> float:
+        """Expected tokens per second of a round that drafts ``k`` tokens."""
+        return expected_tokens(self.rates(k)) / (k * self.draft_seconds + self.costs(k + 1))
+
+    def choose(self, limit: int | None = None) -> int:
+        """The block size of the next round, at most ``limit`` (the budget left)."""
+        top = self.max_k if limit is None else max(0, min(self.max_k, limit))
+        if top == 0:
+            return 0
+        best = max(range(top + 1), key=self.tokens_per_second)
+        if best == 0 and self.plain_rounds >= PROBE_AFTER:
+            best = max(range(1, top + 1), key=self.tokens_per_second)
+        return best
+
+    def observe(
+        self,
+        *,
+        drafted: int,
+        kept: int,
+        loose_positions: Iterable[int] = (),
+        draft_seconds: float = 0.0,
+        verify_seconds: float = 0.0,
+    ) -> None:
+        """Fold in one round: ``drafted`` tokens, of which the first ``kept`` were kept,
+        those at the 0-based ``loose_positions`` loosely; its drafting and verifying time."""
+        if drafted == 0:
+            self.plain_rounds += 1
+        else:
+            self.plain_rounds = 0
+            self.draft_seconds = _smooth(self.draft_seconds, draft_seconds / drafted)
+            for rates in (self.reached, self.exact, self.loose):
+                rates[:] = [DECAY * value for value in rates]
+            loose = set(loose_positions)
+            for i in range(min(kept + 1, drafted, self.max_k)):
+                self.reached[i] += 1
+                if i < kept:
+                    (self.loose if i in loose else self.exact)[i] += 1
+        self.costs.observe(drafted + 1, verify_seconds)
+
+
+def _smooth(before: float, measured: float) -> float:
+    return measured if before <= 0 else (1 - COST_SMOOTHING) * before + COST_SMOOTHING * measured
+
+
+def probe_sizes(max_n: int) -> list[int]:
+    """The forward sizes measured before a request's first round: powers of two up to
+    ``max_n``, and ``max_n``."""
+    sizes, n = [], 1
+    while n < max_n:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_n]
+
+
+def measure_block_costs(lm, context: Sequence[int], sizes: Iterable[int]) -> dict[int, float]:
+    """Seconds of one forward of ``lm`` (a :class:`~flyspec.models.cache.LanguageModel`) over n
+    tokens after ``context``, for each n of ``sizes``: the last context token plus n - 1 copies
+    of it, the shape of a verification. The context must be cached but for its last token;
+    the next call with the real block reuses it (the model's cache keeps the common prefix)."""
+    measured: dict[int, float] = {}
+    filler = list(context[-1:])
+    for n in sizes:
+        started = time.perf_counter()
+        lm.logits(list(context) + filler * (n - 1), n)
+        measured[n] = time.perf_counter() - started
+    return measured
+
+
+def describe_costs(costs: Mapping[int, float]) -> str:
+    """``n=1 39 ms, n=16 265 ms (6.8x)``: a cost table in one line."""
+    sizes = sorted(costs)
+    text = ", ".join(f"n={n} {1000 * costs[n]:.0f} ms" for n in sizes)
+    return f"{text} ({costs[sizes[-1]] / costs[sizes[0]]:.1f}x)" if len(sizes) > 1 else text
