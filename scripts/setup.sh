@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install flyspec into it. Usage: scripts/setup.sh [--test] [--vllm|--vllm-fly]
+# Create .venv and install flyspec into it. Usage:
+#   scripts/setup.sh [--test|--llamacpp] [--vllm|--vllm-fly]
 # torch is pinned to the CPU build first: a bare `torch` requirement would pull a multi-GB
 # CUDA build. On a GPU machine, install the matching torch build before running this.
 #
@@ -56,9 +57,20 @@ if [ "${1:-}" = "--vllm-fly" ]; then
     exit 0
 fi
 
+# --llamacpp (and --test) add llama.cpp's Python binding (the llamacpp extra), which pip builds
+# from source the first time (about 20 minutes on 2 cores) and reuses from its wheel cache after.
 make_venv .venv
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--llamacpp" ]; then
+    if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+        echo "installing llama-cpp-python (builds llama.cpp unless pip has the wheel cached) ..."
+    fi
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+fi
 if [ "${1:-}" = "--test" ]; then
-    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test]" --group dev
+    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test,llamacpp]" \
+        --group dev
+elif [ "${1:-}" = "--llamacpp" ]; then
+    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,llamacpp]"
 else
     .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot]"
 fi

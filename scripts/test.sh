@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Set up, pull the default models and datasets (the end-to-end tests use them), lint, and run
+# Set up (with llama.cpp's binding), pull the default models, their GGUF files and the datasets
+# (the end-to-end tests use them), lint, and run
 # the whole test suite: flyspec's own in .venv, the vLLM plugin's (tests/vllm) in .venv-vllm
 # (vLLM 0.32's CPU build), then vLLM 0.34's built-in FLy (tests/vllm_fly) in .venv-vllm-fly,
 # its Triton kernels under Triton's interpreter. Arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-.venv/bin/flyspec models pull
+.venv/bin/flyspec models pull --gguf
 .venv/bin/flyspec datasets pull
 .venv/bin/ruff check src tests benchmarks scripts
 .venv/bin/ruff format --check --quiet src tests benchmarks scripts

@@ -55,6 +55,12 @@ def assert_one_line_error(code, err, fragment):
         (["generate", "x", "--seed", str(2**64)], "seed must be an integer in [0, 2**63 - 1]"),
         (["generate", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63 - 1]"),
         (["generate", "\udcff"], "the prompt is not valid UTF-8: byte 0xff at offset 0"),
+        (["bench", "--methods", "fly@0"], "must be an integer >= 1 or auto, in 'fly@0'"),
+        (["bench", "--methods", "target@3"], "method target drafts nothing"),
+        (["bench", "--methods", "llamacpp-lookahead"], "unknown method(s) llamacpp-lookahead"),
+        (["bench", "--backend", "llamacpp"], "through its llamacpp-* methods"),
+        (["serve", "--engine", "vllm", "-k", "auto", "--dry-run"], "-k auto runs in flyspec"),
+        (["generate", "x", "--backend", "llamacpp", "--dtype", "bfloat16"], "drop --device"),
         (
             ["generate", "x", "--dtype", "bfloat16", "--target-quant", "int8"],
             "choose one (--dtype float32, or --target-quant none)",
@@ -73,6 +79,13 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(capsys, monkeypatch, co
     code, _, err = run_cli(capsys, *command, "--engine", "vllm")
     assert_one_line_error(code, err, "vLLM is not installed in this environment")
     assert "scripts/setup.sh --vllm" in err
+
+
+def test_a_block_size_neither_integer_nor_auto_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "x", "-k", "fast"])
+    assert exit_info.value.code == 2
+    assert "not an integer or auto: 'fast'" in capsys.readouterr().err
 
 
 def test_unknown_mode_is_a_usage_error(capsys):
@@ -150,10 +163,31 @@ def test_comparison_on_a_quiet_machine_states_the_median_and_range():
     assert "NOT" not in line
 
 
+def test_pairs_that_agree_on_direction_and_size_give_their_range_plainly():
+    compared = comparison([4.0, 4.0], [13.44, 16.52], 0.01)  # 3.36x and 4.13x
+    assert compared.reliable
+    line = compared.line()
+    assert line.startswith("speedup over the target alone: 3.36x to 4.13x over 2 alternated pairs")
+    assert "NOT" not in line
+
+
+def test_the_closing_line_names_llamacpps_speed_where_it_ran():
+    compared = comparison([4.0, 4.0], [10.0, 10.0], 0.01)
+    compared.llamacpp, compared.llamacpp_weights, compared.mode = (
+        [20.0, 25.0, 22.0],
+        "t.gguf",
+        "fly",
+    )
+    line = compared.line().splitlines()[-1]
+    assert line.startswith("llama.cpp's plain decoding of the same target (t.gguf): 22.00 tok/s")
+    assert line.endswith("fly here runs at 0.45x its speed")
+
+
 @pytest.mark.parametrize(
     ("targets", "methods", "others", "reason"),
     [
         ([4.0, 4.0], [3.6, 10.0], 0.01, "the 2 pairs disagree (0.90x to 2.50x)"),
+        ([4.0, 4.0], [8.0, 20.0], 0.01, "the 2 pairs disagree (2.00x to 5.00x)"),
         ([4.0, 4.0], [8.8, 9.0], 0.5, "the machine was busy (other processes used 50% of"),
     ],
 )

@@ -8,10 +8,12 @@ prod_{i<=j} p_i(K)`` tokens on average, where ``p_i(K)`` is the chance that draf
 deferred window to fit in the block (``i + W <= K``; any K with deferral). The policy picks
 ``argmax E(K) / C(K)``, so where no block pays it decodes with the target alone.
 
-``V`` starts from a measured table (one forward per size over the request's own context,
+``V`` starts from a measured table (one forward per size over the first request's context,
 :func:`measure_block_costs`) and, like ``d`` and the per-position rates, follows what the rounds
-of the request measure. Rounds at K=0 teach nothing about acceptance, so after
-:data:`PROBE_AFTER` of them in a row one round drafts again at the best K above 0.
+measure; the estimates carry over from one request to the next. Rounds at K=0 teach nothing
+about acceptance, so after :data:`PROBE_AFTER` of them in a row one round drafts again at the
+best K above 0, where drafting could pay at a plausible acceptance (:meth:`AutoK.could_pay`);
+each probe that leaves K=0 still best doubles the wait before the next.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ PRIOR_WEIGHT = 2.0
 """How many observations the prior counts for, per position."""
 DECAY = 0.95
 """Each round's weight in the running rates shrinks by this factor per later round."""
+PLAUSIBLE_RATE = 0.95
+"""The acceptance per position a probe must be able to profit from; above what FLy keeps on the
+default pair at K=15 (88-94% of draft tokens)."""
 COST_SMOOTHING = 0.3
 """Weight of a newly measured forward or drafting time in the running cost."""
 
@@ -97,6 +102,7 @@ class AutoK:
     exact: list[float] = field(default_factory=list)
     loose: list[float] = field(default_factory=list)
     plain_rounds: int = 0
+    probe_after: int = PROBE_AFTER
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -138,9 +144,24 @@ class AutoK:
         if top == 0:
             return 0
         best = max(range(top + 1), key=self.tokens_per_second)
-        if best == 0 and self.plain_rounds >= PROBE_AFTER:
+        if best > 0:
+            self.probe_after = PROBE_AFTER  # drafting pays again: probe promptly when it stops
+        elif self.plain_rounds >= self.probe_after and self.could_pay(top):
+            self.probe_after *= 2
             best = max(range(1, top + 1), key=self.tokens_per_second)
         return best
+
+    def could_pay(self, top: int) -> bool:
+        """Whether some block of at most ``top`` would beat the target alone were draft
+        tokens kept at :data:`PLAUSIBLE_RATE`: where not (a compute-bound forward with a slow
+        draft), no acceptance seen in practice makes drafting pay, and a probe (which first
+        has the draft model read the context it skipped) would only cost."""
+        plain = 1 / self.costs(1)
+        return any(
+            expected_tokens([PLAUSIBLE_RATE] * k) / (k * self.draft_seconds + self.costs(k + 1))
+            > plain
+            for k in range(1, top + 1)
+        )
 
     def observe(
         self,

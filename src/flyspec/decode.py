@@ -108,6 +108,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_costs: ForwardCosts | None = None  # -k auto: the target's forward costs
         self.draft_token_seconds = 0.0  # -k auto: the draft model's first one-token forward
+        self.auto_policies: dict[tuple, AutoK] = {}  # -k auto: by settings, across requests
         self.vocab_size = (
             _output_vocab_size(target)
             if isinstance(target, torch.nn.Module)
@@ -171,8 +172,11 @@ class SpeculativeDecoder:
             while progress.produced + progress.held_length < config.max_new_tokens:
                 remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
+                catch_up = 0.0
                 if auto is not None:
                     k = auto.choose(k)
+                    if k > 0 and own_drafter and config.uses_draft_model:
+                        catch_up = self._catch_up_draft(progress.context)
                 step = self._round(progress.context, drafter, k, config, target_generator)
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
@@ -184,6 +188,7 @@ class SpeculativeDecoder:
                         draft_seconds=step.draft_seconds,
                         verify_seconds=step.verify_seconds,
                     )
+                    step = dataclasses.replace(step, draft_seconds=step.draft_seconds + catch_up)
                 events, finished = self._commit(step, progress, config, drafter, stats)
                 yield from deliver(events, stats, clock)
                 if finished:
@@ -195,10 +200,21 @@ class SpeculativeDecoder:
             clock.resume()
             stats.seconds = clock.elapsed()
 
+    def _catch_up_draft(self, context: list[int]) -> float:
+        """With -k auto the draft model reads only what it drafts after: before a block, it
+        reads the context it has not seen (the prompt, the rounds of the target alone). Its
+        seconds, kept out of the per-token drafting cost that chooses the block."""
+        if len(context) < 2:
+            return 0.0
+        started = time.perf_counter()
+        self.draft.logits(context[:-1])
+        return time.perf_counter() - started
+
     def _auto_k(self, context: list[int], config: DecodeConfig, *, measure_draft: bool) -> AutoK:
-        """The block-size policy of one request. The target's forward costs are measured on the
-        request's context the first time (and for sizes not yet measured), then kept and
-        refined by every round; so is the draft model's cost per token."""
+        """The block-size policy for ``config``'s settings, shared by the requests that use
+        them (what one learns, the next starts from). The target's forward costs are measured
+        on the first request's context (and for sizes not yet measured), then kept and refined
+        by every round; so is the draft model's cost per token."""
         sizes = probe_sizes(config.k + 1)
         known = {} if self.block_costs is None else self.block_costs.seconds
         if not set(sizes) <= set(known):
@@ -211,13 +227,18 @@ class SpeculativeDecoder:
             first = measure_block_costs(self.draft, context, [1])[1]
             self.draft_token_seconds = min(first, measure_block_costs(self.draft, context, [1])[1])
         fly = config.fly_in_force
-        return AutoK(
-            max_k=config.k,
-            costs=self.block_costs,
-            window=None if fly is None else fly.window,
-            defer=fly is not None and fly.defer,
-            draft_seconds=self.draft_token_seconds if config.uses_draft_model else 0.0,
-        )
+        key = (config.mode, config.drafter, config.k, fly)
+        if key not in self.auto_policies:
+            self.auto_policies[key] = AutoK(
+                max_k=config.k,
+                costs=self.block_costs,
+                window=None if fly is None else fly.window,
+                defer=fly is not None and fly.defer,
+                draft_seconds=self.draft_token_seconds if config.uses_draft_model else 0.0,
+            )
+        policy = self.auto_policies[key]
+        policy.costs = self.block_costs
+        return policy
 
     def _round(
         self,

@@ -20,6 +20,11 @@ NOISE_FLOOR = 0.05
 """Two runs' medians closer than this (relative) are never called a change."""
 
 
+AGREEING_FACTOR = 2.0
+"""Ratios within this factor of each other, all on one side of 1x, tell one story (a speedup of
+"more than 3x", not a verdict on its second digit)."""
+
+
 @dataclass(frozen=True)
 class Spread:
     """Median, minimum and maximum of repeated values of one quantity."""
@@ -47,6 +52,16 @@ class Spread:
     def unstable(self) -> bool:
         """Whether the repeats disagree by more than :data:`UNSTABLE_SPREAD`."""
         return self.count > 1 and self.relative > UNSTABLE_SPREAD
+
+    @property
+    def agrees(self) -> bool:
+        """For ratios (speedups): whether every repeat tells the same story even where they
+        spread, being on the same side of 1x and within :data:`AGREEING_FACTOR` of each
+        other (3.36x and 4.13x agree; 0.9x and 1.2x, or 2x and 5x, do not)."""
+        if not self.count:
+            return False
+        same_side = (self.low > 1) == (self.high > 1)
+        return same_side and self.high <= AGREEING_FACTOR * self.low
 
     @classmethod
     def from_dict(cls, data: dict) -> Spread:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from flyspec.config import DecodeConfig, FlyConfig
@@ -302,13 +303,20 @@ class LlamaCppOwnMethod:
     speculative decoding with ``K`` proposed tokens (``llamacpp-lookup``). The state is reset
     before every prompt, so no method reuses another prompt's cache."""
 
-    def __init__(self, name: str, engine, config: DecodeConfig) -> None:
-        from flyspec.models.llamacpp import require_llamacpp
+    def __init__(
+        self,
+        name: str,
+        *,
+        gguf: str | Path,
+        threads: int,
+        context: int,
+        eos_token_ids: Collection[int],
+        config: DecodeConfig,
+    ) -> None:
+        from flyspec.models.llamacpp import default_threads, require_llamacpp
 
         llama_cpp = require_llamacpp()
-        lm = engine.decoder.target
         draft_model = None
-        context = lm.context_length
         if name == "llamacpp-lookup":
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -316,18 +324,20 @@ class LlamaCppOwnMethod:
                 max_ngram_size=config.max_ngram, num_pred_tokens=config.k
             )
             context = min(context, 2048)  # it keeps every position's logits: 1.2 GB at 2048
+        threads = threads or default_threads()
         self.name = name
+        self.weights = Path(gguf).name
         self.llama = llama_cpp.Llama(
-            model_path=str(lm.path),
+            model_path=str(gguf),
             n_ctx=context,
-            n_threads=lm.threads,
-            n_threads_batch=lm.threads,
+            n_threads=threads,
+            n_threads_batch=threads,
             draft_model=draft_model,
             verbose=False,
         )
-        self.eos_token_ids = frozenset(engine.decoder.eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.sampling = config.sampling
-        self.settings = {"backend": "llamacpp", "binding": "Llama.generate"}
+        self.settings = {"backend": "llamacpp", "binding": "Llama.generate", "threads": threads}
         if draft_model is not None:
             self.settings.update(k=config.k, max_ngram=config.max_ngram)
 
@@ -368,7 +378,15 @@ def make_method(name: str, engine, config: DecodeConfig, *, llamacpp_engine=None
         if llamacpp_engine is None:
             raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
         if base in LLAMACPP_OWN_METHODS:
-            return LlamaCppOwnMethod(name, llamacpp_engine, config)
+            lm = llamacpp_engine.decoder.target
+            return LlamaCppOwnMethod(
+                name,
+                gguf=lm.path,
+                threads=lm.threads,
+                context=lm.context_length,
+                eos_token_ids=llamacpp_engine.decoder.eos_token_ids,
+                config=config,
+            )
         return FlyspecMethod(name, llamacpp_engine, config)
     if base in FLYSPEC_METHODS:
         return FlyspecMethod(name, engine, config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -77,7 +78,9 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = engine.encode(prompt, chat=args.chat)
     comparison = None
     if args.compare_target:
-        comparison = TargetComparison(pairs=args.compare_pairs).start(engine, prompt_ids, config)
+        comparison = TargetComparison(
+            pairs=args.compare_pairs, llamacpp=plain_llamacpp(args, engine, config)
+        ).start(engine, prompt_ids, config)
 
     if args.json:
         result = engine.generate(prompt_ids, config)
@@ -120,23 +123,37 @@ class TargetComparison:
     busy or the pairs disagree, :meth:`line` says so instead of stating one ratio as a fact.
     """
 
-    def __init__(self, *, pairs: int) -> None:
+    def __init__(self, *, pairs: int, llamacpp=None) -> None:
         from flyspec.machine import CpuMonitor
 
         self.pairs = pairs
         self.target: list = []  # GenerationResult of each run of the target alone
         self.method: list = []  # RequestStats of the method, the shown run last
         self.monitor = CpuMonitor()
+        self.plain_llamacpp = llamacpp  # a LlamaCppOwnMethod, or None
+        self.llamacpp: list[float] | None = None if llamacpp is None else []  # its tok/s
+        self.llamacpp_weights = "" if llamacpp is None else llamacpp.weights
+        self.mode = "method"
 
     def start(self, engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig):
         """Warm up, then run every timed generation but the last (shown) one."""
         warm_up(engine, prompt_ids, config)
+        self.mode = config.mode
+        plain = self.plain_llamacpp
+        if plain is not None:
+            plain.run(prompt_ids, max_new_tokens=2, seed=config.sampling.seed)  # warm-up
         self.monitor.start()
         for pair in range(1, self.pairs + 1):
             say(f"timing the target alone ({pair}/{self.pairs}) ...")
             baseline = engine.generate(prompt_ids, config.with_updates(mode="target"))
             say(f"target alone: {baseline.stats.summary_line()}")
             self.target.append(baseline)
+            if plain is not None:
+                say(f"timing llama.cpp's plain decoding ({pair}/{self.pairs}) ...")
+                run = plain.run(
+                    prompt_ids, max_new_tokens=config.max_new_tokens, seed=config.sampling.seed
+                )
+                self.llamacpp.append(len(run.token_ids) / run.seconds if run.seconds else 0.0)
             if pair < self.pairs:
                 say(f"timing {config.mode} ({pair}/{self.pairs}) ...")
                 self.method.append(engine.generate(prompt_ids, config).stats)
@@ -153,7 +170,12 @@ class TargetComparison:
         target_speeds = [result.stats.tokens_per_second for result in self.target]
         self.ratios = ratio_spread(method_speeds, target_speeds)
         self.target_speed, self.method_speed = Spread.of(target_speeds), Spread.of(method_speeds)
+        extra = {}
+        if self.llamacpp is not None:
+            extra["llamacpp_tokens_per_second"] = [round(v, 4) for v in self.llamacpp]
+            extra["llamacpp_weights"] = self.llamacpp_weights
         return {
+            **extra,
             "baseline": self.target[-1].as_dict(),
             "baseline_runs": [result.stats.as_dict() for result in self.target],
             "runs": [stats.as_dict() for stats in self.method],
@@ -165,14 +187,36 @@ class TargetComparison:
 
     @property
     def reliable(self) -> bool:
-        return not self.load.busy and not self.ratios.unstable
+        """A quiet machine, and pairs that agree: closely, or at least on the direction and
+        the size of the speedup (:attr:`~flyspec.spread.Spread.agrees`)."""
+        return not self.load.busy and (not self.ratios.unstable or self.ratios.agrees)
 
     def line(self) -> str:
-        """The closing line: the speedup, or why it cannot be trusted."""
+        """The closing line: the speedup, or why it cannot be trusted; then llama.cpp's speed
+        where it ran."""
+        return self._speedup_line() + ("" if self.llamacpp is None else self._llamacpp_line())
+
+    def _llamacpp_line(self) -> str:
+        from flyspec.spread import Spread
+
+        speed = Spread.of(self.llamacpp)
+        versus = self.method_speed.median / speed.median if speed.median else math.nan
+        return (
+            f"\nllama.cpp's plain decoding of the same target ({self.llamacpp_weights}): "
+            f"{speed.median:.2f} tok/s, median of {speed.count} run{'s' if speed.count > 1 else ''}"
+            f" alternated with these; {self.mode} here runs at {versus:.2f}x its speed"
+        )
+
+    def _speedup_line(self) -> str:
         speeds = (
             f"{self.method_speed.median:.2f} vs {self.target_speed.median:.2f} tok/s, medians "
             f"of {self.pairs} alternated run{'s' if self.pairs > 1 else ''} each"
         )
+        if self.reliable and self.ratios.unstable:
+            return (
+                f"speedup over the target alone: {self.ratios.low:.2f}x to "
+                f"{self.ratios.high:.2f}x over {self.pairs} alternated pairs ({speeds})"
+            )
         if self.reliable:
             return f"speedup over the target alone: {self.ratios.describe(unit='x')} ({speeds})"
         why = []
@@ -181,7 +225,7 @@ class TargetComparison:
                 f"the machine was busy (other processes used "
                 f"{self.load.others_cpu_fraction:.0%} of the CPU)"
             )
-        if self.ratios.unstable:
+        if self.ratios.unstable and not self.ratios.agrees:
             why.append(
                 f"the {self.pairs} pairs disagree ({self.ratios.low:.2f}x to "
                 f"{self.ratios.high:.2f}x)"
@@ -191,6 +235,36 @@ class TargetComparison:
             f"this run gave {self.ratios.low:.2f}x to {self.ratios.high:.2f}x ({speeds}). "
             "Run again on a quiet machine, or with more --compare-pairs."
         )
+
+
+def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
+    """llama.cpp's plain decoding of the same target, where llama.cpp is installed and the
+    target's GGUF file is known (the llama.cpp backend's, or the default pair's when
+    installed); else None."""
+    from flyspec.bench.methods import LlamaCppOwnMethod
+    from flyspec.models.llamacpp import llamacpp_version
+
+    if llamacpp_version() is None:
+        return None
+    if engine.backend == "llamacpp":
+        path = engine.decoder.target.path
+    elif args.target is None:
+        from flyspec.models.default_pair import DEFAULT_TARGET
+        from flyspec.models.mirror import gguf_path, is_gguf_installed
+
+        if not is_gguf_installed(DEFAULT_TARGET):
+            return None
+        path = gguf_path(DEFAULT_TARGET)
+    else:
+        return None
+    return LlamaCppOwnMethod(
+        "llamacpp-target",
+        gguf=path,
+        threads=args.llamacpp_threads,
+        context=args.llamacpp_context,
+        eos_token_ids=engine.decoder.eos_token_ids,
+        config=config,
+    )
 
 
 def read_prompt(argument: str) -> str:

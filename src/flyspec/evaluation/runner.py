@@ -187,12 +187,18 @@ class EngineIdentity:
 
     @classmethod
     def of(cls, engine) -> EngineIdentity:
-        parameter = next(engine.target_model.parameters())
+        """The identity of a loaded engine; on the llama.cpp backend the weights are the GGUF
+        files' own (``dtype`` "gguf") and run on the CPU."""
+        if engine.target_model is None:
+            dtype, device = "gguf", "cpu"
+        else:
+            parameter = next(engine.target_model.parameters())
+            dtype, device = str(parameter.dtype).removeprefix("torch."), str(parameter.device)
         return cls(
             target=model_identity(str(engine.target_name)),
             draft=None if engine.draft_name is None else model_identity(str(engine.draft_name)),
-            dtype=str(parameter.dtype).removeprefix("torch."),
-            device=str(parameter.device),
+            dtype=dtype,
+            device=device,
             kernels=dict(engine.kernels),
         )
 

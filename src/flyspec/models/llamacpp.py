@@ -87,8 +87,9 @@ class LlamaCppLM:
             raise FlyspecError(f"llama.cpp could not load {path}")
         context_params = llama_cpp.llama_context_default_params()
         context_params.n_ctx = context
-        context_params.n_batch = _BATCH
-        context_params.n_ubatch = _BATCH
+        self.batch_size = min(_BATCH, context)
+        context_params.n_batch = self.batch_size
+        context_params.n_ubatch = self.batch_size
         context_params.n_seq_max = 1
         context_params.n_threads = self.threads
         context_params.n_threads_batch = self.threads
@@ -98,7 +99,7 @@ class LlamaCppLM:
             llama_cpp.llama_model_free(self._model)
             raise FlyspecError(f"llama.cpp could not make a context of {context} tokens for {path}")
         self._memory = llama_cpp.llama_get_memory(self._context)
-        self._batch = llama_cpp.llama_batch_init(_BATCH, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.batch_size, 0, 1)
         self.vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.context_length = int(llama_cpp.llama_n_ctx(self._context))
@@ -156,8 +157,8 @@ class LlamaCppLM:
         self.rewind(reuse)
         first_logit = len(tokens) - num_logits
         rows: list[np.ndarray] = []
-        for start in range(reuse, len(tokens), _BATCH):
-            piece = tokens[start : start + _BATCH]
+        for start in range(reuse, len(tokens), self.batch_size):
+            piece = tokens[start : start + self.batch_size]
             self._fill_batch(piece, start, first_logit)
             status = self._api.llama_decode(self._context, self._batch)
             if status != 0:

@@ -1,0 +1,168 @@
+"""-k auto: the expected tokens of a block, the cost table, the choice it makes on machines
+where drafting pays and where it does not, and the decoder running it (lossless in SPD)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flyspec.auto_k import (
+    PROBE_AFTER,
+    AutoK,
+    ForwardCosts,
+    describe_costs,
+    expected_tokens,
+    probe_sizes,
+)
+from flyspec.config import DecodeConfig, FlyConfig
+from flyspec.decode import SpeculativeDecoder
+from tests.tiny import make_tiny_model
+
+
+def test_expected_tokens_of_a_block():
+    assert expected_tokens([]) == 1
+    assert expected_tokens([1.0, 1.0, 1.0]) == 4
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([0.0, 1.0]) == 1
+
+
+def test_forward_costs_interpolate_between_and_beyond_the_measured_sizes():
+    costs = ForwardCosts({1: 0.04, 4: 0.10, 16: 0.28})
+    assert costs(1) == 0.04
+    assert costs(2) == pytest.approx(0.06)
+    assert costs(10) == pytest.approx(0.19)
+    assert costs(20) == pytest.approx(0.34)  # along the last segment
+    costs.observe(4, 0.20)
+    assert costs(4) == pytest.approx(0.7 * 0.10 + 0.3 * 0.20)
+    with pytest.raises(ValueError):
+        ForwardCosts({})
+
+
+def test_probe_sizes_and_their_description():
+    assert probe_sizes(16) == [1, 2, 4, 8, 16]
+    assert probe_sizes(6) == [1, 2, 4, 6]
+    assert probe_sizes(1) == [1]
+    assert describe_costs({1: 0.039, 16: 0.265}) == "n=1 39 ms, n=16 265 ms (6.8x)"
+
+
+def observe_rounds(policy: AutoK, *, k: int, kept: int, rounds: int = 30) -> None:
+    """Rounds that cost what the policy expects, with ``kept`` of ``k`` tokens kept."""
+    for _ in range(rounds):
+        policy.observe(
+            drafted=k,
+            kept=kept,
+            draft_seconds=k * policy.draft_seconds,
+            verify_seconds=policy.costs(k + 1),
+        )
+
+
+def test_where_a_block_costs_one_token_the_whole_block_is_drafted():
+    """A memory-bound forward (a GPU, a big model): checking 16 tokens costs one token's time."""
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1, 16: 0.1}), draft_seconds=0.001)
+    observe_rounds(policy, k=15, kept=15)
+    assert policy.choose() == 15
+    observe_rounds(policy, k=15, kept=12, rounds=100)  # the last three positions never kept
+    assert policy.choose() == 12
+
+
+def test_where_a_block_costs_as_much_as_its_tokens_the_target_decodes_alone():
+    """A compute-bound forward: a forward over n tokens costs n tokens, and drafting is not
+    free, so no block can pay."""
+    costs = ForwardCosts({1: 0.04, 16: 0.64})
+    policy = AutoK(max_k=15, costs=costs, draft_seconds=0.02)
+    observe_rounds(policy, k=8, kept=6)
+    assert policy.choose() == 0
+
+
+def test_a_short_block_wins_where_acceptance_falls_off():
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1, 16: 0.25}), draft_seconds=0.01)
+    observe_rounds(policy, k=15, kept=2)  # the first two positions kept, the third never
+    assert 1 <= policy.choose() <= 4
+
+
+def test_the_budget_left_caps_the_block():
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1, 16: 0.1}))
+    observe_rounds(policy, k=15, kept=15)
+    assert policy.choose(3) == 3
+    assert policy.choose(0) == 0
+
+
+def test_fly_counts_a_loose_token_only_where_its_window_fits():
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6)
+    for _ in range(50):
+        policy.observe(drafted=15, kept=15, loose_positions=[0])
+    fits = policy.rates(15)[0]  # position 1: 1 + 6 <= 15
+    does_not = policy.rates(6)[0]  # 1 + 6 > 6
+    assert fits > 0.9 and does_not < 0.2
+    deferring = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6, defer=True)
+    for _ in range(50):
+        deferring.observe(drafted=15, kept=15, loose_positions=[0])
+    assert deferring.rates(6)[0] > 0.9
+
+
+def plain_rounds(policy: AutoK, count: int) -> None:
+    for _ in range(count):
+        assert policy.choose() == 0
+        policy.observe(drafted=0, kept=0, verify_seconds=policy.costs(1))
+
+
+def test_after_many_rounds_of_the_target_alone_one_round_drafts_again_less_and_less_often():
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1, 16: 0.3}), draft_seconds=0.02)
+    observe_rounds(policy, k=8, kept=0)
+    plain_rounds(policy, PROBE_AFTER)
+    probe = policy.choose()
+    assert probe > 0
+    policy.observe(drafted=probe, kept=0, draft_seconds=0.02 * probe, verify_seconds=0.2)
+    plain_rounds(policy, 2 * PROBE_AFTER)  # the probe found nothing: twice the wait
+    assert policy.choose() > 0
+
+
+def test_where_no_acceptance_could_pay_the_target_alone_never_probes():
+    """llama.cpp's 4-bit forward on 2 cores (measured: n=1 39 ms, n=4 101, n=8 233, n=16 265)
+    with a draft half as slow as the target: even a draft kept at 95% loses."""
+    costs = ForwardCosts({1: 0.039, 4: 0.101, 8: 0.233, 16: 0.265})
+    policy = AutoK(max_k=15, costs=costs, draft_seconds=0.02)
+    observe_rounds(policy, k=8, kept=2)
+    assert not policy.could_pay(15)
+    plain_rounds(policy, 4 * PROBE_AFTER)
+
+
+def test_rounds_teach_the_drafting_cost():
+    policy = AutoK(max_k=4, costs=ForwardCosts({1: 0.1}))
+    policy.observe(drafted=4, kept=4, draft_seconds=0.4, verify_seconds=0.1)
+    assert policy.draft_seconds == pytest.approx(0.1)
+    policy.observe(drafted=4, kept=4, draft_seconds=0.8, verify_seconds=0.1)
+    assert policy.draft_seconds == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder():
+    draft = make_tiny_model(vocab_size=96, seed=1, num_layers=1)
+    target = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
+    return SpeculativeDecoder(target, draft)
+
+
+def test_auto_spd_emits_the_targets_greedy_tokens(tiny_decoder):
+    prompt = [5, 17, 33, 8, 60]
+    target = [e.token for e in tiny_decoder.stream(prompt, DecodeConfig(mode="target"))]
+    config = DecodeConfig(mode="spd", k=6, auto_k=True, max_new_tokens=128)
+    stats_tokens = list(tiny_decoder.stream(prompt, config))
+    assert [e.token for e in stats_tokens] == target
+    assert tiny_decoder.block_costs is not None
+    assert set(probe_sizes(7)) <= set(tiny_decoder.block_costs.seconds)
+
+
+def test_auto_fly_stays_within_its_largest_block_and_budget(tiny_decoder):
+    from flyspec.stats import RequestStats
+
+    stats = RequestStats()
+    config = DecodeConfig(mode="fly", k=5, auto_k=True, max_new_tokens=40, fly=FlyConfig())
+    tokens = list(tiny_decoder.stream([5, 17, 33], config, stats=stats))
+    assert len(tokens) == 40
+    assert all(r.drafted <= 5 for r in stats.rounds)
+
+
+def test_the_config_takes_auto_k_as_a_flag():
+    from flyspec.errors import FlyspecError
+
+    with pytest.raises(FlyspecError, match="auto_k"):
+        DecodeConfig(auto_k="yes")

@@ -1,0 +1,190 @@
+"""The llama.cpp backend on tiny random-weight GGUF files written in-process (float32 tensors,
+so llama.cpp's logits follow transformers' closely): the forward against transformers', the KV
+cache rewind, the decoder and the engine on it, and the bench's llama.cpp methods."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from flyspec.bench import run_benchmark
+from flyspec.bench.prompts import BenchPrompt
+from flyspec.config import DecodeConfig, LlamaCppConfig
+from flyspec.decode import SpeculativeDecoder
+from flyspec.engine import Engine
+from flyspec.errors import FlyspecError
+from flyspec.models.llamacpp import LlamaCppLM, require_llamacpp
+from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf
+
+VOCAB = 96
+PROMPT = "def fibonacci(n):\n    return"
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    """``(tokenizer, draft model, target model, draft GGUF, target GGUF)``."""
+    folder = tmp_path_factory.mktemp("gguf")
+    tokenizer = make_tiny_tokenizer(VOCAB)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    draft = make_tiny_model(vocab_size=VOCAB, seed=1, num_layers=1, **ids)
+    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    draft_path = save_tiny_gguf(folder / "draft.gguf", draft, tokenizer)
+    target_path = save_tiny_gguf(folder / "target.gguf", target, tokenizer)
+    return tokenizer, draft, target, draft_path, target_path
+
+
+@pytest.fixture
+def target_lm(tiny_ggufs):
+    lm = LlamaCppLM(tiny_ggufs[4], context=256, threads=1)
+    yield lm
+    lm.close()
+
+
+def test_logits_follow_transformers(tiny_ggufs, target_lm):
+    tokenizer, _, target, _, _ = tiny_ggufs
+    ids = tokenizer.encode(PROMPT)
+    logits = target_lm.logits(ids, 4)  # [4, V]
+    with torch.no_grad():
+        expected = target(torch.tensor([ids])).logits[0, -4:]
+    assert logits.shape == (4, VOCAB) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=2e-2, rtol=0)
+    assert target_lm.cached_tokens == ids
+
+
+def test_a_rewound_cache_gives_the_logits_of_a_fresh_one(tiny_ggufs, target_lm):
+    tokenizer = tiny_ggufs[0]
+    ids = tokenizer.encode(PROMPT)
+    first = ids + [5, 6, 7, 8]
+    second = ids + [5, 9, 10]  # shares ids + [5]; 6, 7, 8 must leave the KV cache
+    target_lm.logits(first, 5)
+    rewound = target_lm.logits(second, 3)
+    assert target_lm.cached_tokens == second
+    target_lm.reset()
+    assert target_lm.cached_tokens == []
+    fresh = target_lm.logits(second, 3)
+    torch.testing.assert_close(rewound, fresh, atol=1e-4, rtol=0)
+
+
+def test_rewind_keeps_a_prefix_and_refuses_to_grow(target_lm):
+    target_lm.logits(list(range(10, 20)), 1)
+    target_lm.rewind(4)
+    assert target_lm.cached_tokens == list(range(10, 14))
+    with pytest.raises(ValueError, match="cannot rewind"):
+        target_lm.rewind(5)
+
+
+def test_a_sequence_longer_than_the_context_is_refused(tiny_ggufs):
+    lm = LlamaCppLM(tiny_ggufs[4], context=16, threads=1)
+    assert lm.context_length >= 16  # llama.cpp may round the context up
+    with pytest.raises(FlyspecError, match="do not fit llama.cpp's context"):
+        lm.logits([5] * (lm.context_length + 1), 1)
+    lm.close()
+
+
+def test_bad_model_files_are_one_line_errors(tmp_path):
+    with pytest.raises(FlyspecError, match="runs .gguf files"):
+        LlamaCppLM(tmp_path / "model.safetensors")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf")
+    with pytest.raises(FlyspecError, match="could not load"):
+        LlamaCppLM(broken)
+    with pytest.raises(FlyspecError, match="at least 16"):
+        LlamaCppLM(broken, context=4)
+
+
+def test_a_missing_binding_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(FlyspecError, match=r"pip install 'flyspec\[llamacpp\]'"):
+        require_llamacpp()
+
+
+def test_the_config_checks_its_settings():
+    with pytest.raises(FlyspecError, match="context"):
+        LlamaCppConfig(context=8)
+    with pytest.raises(FlyspecError, match="threads"):
+        LlamaCppConfig(threads=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_ggufs):
+    tokenizer, _, _, draft_path, target_path = tiny_ggufs
+    return Engine(
+        target_model=LlamaCppLM(target_path, context=512, threads=1),
+        draft_model=LlamaCppLM(draft_path, context=512, threads=1),
+        tokenizer=tokenizer,
+        target_name=str(target_path),
+        draft_name=str(draft_path),
+    )
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(mode="spd", k=4, max_new_tokens=40),
+        DecodeConfig(mode="spd", drafter="mla", k=6, max_new_tokens=40),
+        DecodeConfig(mode="spd", drafter="ngram", k=3, max_new_tokens=40),
+        DecodeConfig(mode="spd", k=8, max_new_tokens=40, auto_k=True),
+    ],
+    ids=["spd", "mla", "ngram", "auto"],
+)
+def test_exact_speculative_decoding_on_llamacpp_equals_its_greedy_decoding(tiny_engine, config):
+    ids = tiny_engine.encode(PROMPT)
+    target = tiny_engine.generate(ids, config.with_updates(mode="target"))
+    speculative = tiny_engine.generate(ids, config)
+    assert speculative.token_ids == target.token_ids
+    assert len(target.token_ids) > 0
+    assert max(r.drafted for r in speculative.stats.rounds) <= config.k
+
+
+def test_the_engine_on_llamacpp_names_its_backend_and_ends_at_eos(tiny_engine, tiny_ggufs):
+    assert tiny_engine.backend == "llamacpp"
+    assert tiny_engine.kernels["backend"] == "llamacpp"
+    assert tiny_engine.kernels["threads"] == 1
+    assert tiny_engine.context_length == 512
+    assert tiny_engine.target_model is None
+    assert tiny_ggufs[0].eos_token_id in tiny_engine.decoder.eos_token_ids
+    result = tiny_engine.generate(PROMPT, DecodeConfig(mode="fly", k=5, max_new_tokens=12))
+    assert len(result.token_ids) <= 12
+    assert result.stats.finish_reason in ("length", "stop")
+
+
+def test_fly_on_llamacpp_runs_the_same_rule_as_on_torch(tiny_ggufs, tiny_engine):
+    """The same tiny pair on both backends: FLy's verdicts read logits that agree to ~1e-3,
+    so the committed tokens agree (the tiny models' logits are far apart)."""
+    tokenizer, draft, target, _, _ = tiny_ggufs
+    on_torch = SpeculativeDecoder(target, draft, eos_token_ids={tokenizer.eos_token_id})
+    ids = tokenizer.encode(PROMPT)
+    config = DecodeConfig(mode="fly", k=5, max_new_tokens=30)
+    expected = [event.token for event in on_torch.stream(ids, config)]
+    assert [event.token for event in tiny_engine.decoder.stream(ids, config)] == expected
+
+
+def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_engine):
+    prompts = [BenchPrompt(id="a", raw=PROMPT), BenchPrompt(id="b", raw="for x in")]
+    config = DecodeConfig(k=4, max_new_tokens=10)
+    report = run_benchmark(
+        None,
+        prompts,
+        ["llamacpp-target", "llamacpp-spd", "llamacpp-fly@auto", "llamacpp-ngram@2"],
+        config,
+        progress=False,
+        llamacpp_engine=tiny_engine,
+        baseline="llamacpp-target",
+    )
+    summaries = {s["method"]: s for s in report["methods"]}
+    assert list(summaries) == [
+        "llamacpp-target",
+        "llamacpp-spd",
+        "llamacpp-fly@auto",
+        "llamacpp-ngram@2",
+    ]
+    assert summaries["llamacpp-spd"]["identical_to_target"] == 2
+    assert (
+        summaries["llamacpp-spd"]["speedup_over_llamacpp"] == summaries["llamacpp-spd"]["speedup"]
+    )
+    assert summaries["llamacpp-fly@auto"]["settings"]["k"] == "auto"
+    assert summaries["llamacpp-ngram@2"]["settings"]["k"] == 2
+    assert "tau" not in summaries["llamacpp-target"]
+    assert report["config"]["baseline"] == "llamacpp-target"
