@@ -31,8 +31,10 @@ def test_forward_costs_interpolate_between_and_beyond_the_measured_sizes():
     assert costs(2) == pytest.approx(0.06)
     assert costs(10) == pytest.approx(0.19)
     assert costs(20) == pytest.approx(0.34)  # along the last segment
-    costs.observe(4, 0.20)
-    assert costs(4) == pytest.approx(0.7 * 0.10 + 0.3 * 0.20)
+    costs.observe(4, 0.20)  # twice the table: every size follows, their ratios stay
+    assert costs.scale == pytest.approx(0.7 + 0.3 * 2)
+    assert costs(4) == pytest.approx(0.10 * costs.scale)
+    assert costs(16) / costs(1) == pytest.approx(0.28 / 0.04)
     with pytest.raises(ValueError):
         ForwardCosts({})
 

@@ -188,3 +188,51 @@ def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_engine):
     assert summaries["llamacpp-ngram@2"]["settings"]["k"] == 2
     assert "tau" not in summaries["llamacpp-target"]
     assert report["config"]["baseline"] == "llamacpp-target"
+
+
+def test_the_commands_run_on_gguf_files(capsys, monkeypatch, tmp_path, tiny_ggufs):
+    import json
+
+    from flyspec.cli import main
+
+    monkeypatch.setenv("FLYSPEC_HOME", str(tmp_path / "home"))
+    _, _, _, draft_path, target_path = tiny_ggufs
+    pair = ["--target", str(target_path), "--draft", str(draft_path), "--llamacpp-threads", "1"]
+    code = main(
+        ["generate", "--backend", "llamacpp", *pair, "--json", "-k", "auto", "def fibonacci("]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["stats"]["emitted"] > 0
+    assert "loaded on llama.cpp" in captured.err
+    assert (tmp_path / "home" / "tokenizers").is_dir()  # read from the GGUF once, kept
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "prompt": "def fibonacci(n):"}) + "\n")
+    output = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            *pair,
+            "--prompts-file",
+            str(prompts),
+            "--no-chat",
+            "--max-new-tokens",
+            "8",
+            "--methods",
+            "llamacpp-target,llamacpp-spd@3,llamacpp-fly@auto",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads((output / "bench.json").read_text())
+    assert report["config"]["baseline"] == "llamacpp-target"
+    assert [s["method"] for s in report["methods"]] == [
+        "llamacpp-target",
+        "llamacpp-spd@3",
+        "llamacpp-fly@auto",
+    ]
+    assert "| llamacpp-spd@3 |" in captured.out

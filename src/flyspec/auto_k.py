@@ -52,16 +52,23 @@ def expected_tokens(p: Sequence[float]) -> float:
 
 @dataclass
 class ForwardCosts:
-    """Seconds of one target forward over n tokens, measured at a few n and interpolated
-    linearly between them (beyond the largest, extended along the last segment)."""
+    """Seconds of one target forward over n tokens: a table measured at a few n (interpolated
+    linearly between them, extended along the last segment beyond), times a running scale
+    that follows the forwards measured since. The table keeps the machine's ratio of a block
+    to one token; the scale follows what changes all forwards alike (a growing context)."""
 
     seconds: dict[int, float]
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.seconds or min(self.seconds) < 1:
             raise ValueError("forward costs need at least one size n >= 1")
 
     def __call__(self, n: int) -> float:
+        return self.scale * self.measured(n)
+
+    def measured(self, n: int) -> float:
+        """The measured table at ``n``, interpolated."""
         sizes = sorted(self.seconds)
         if n in self.seconds:
             return self.seconds[n]
@@ -80,8 +87,9 @@ class ForwardCosts:
 
     def observe(self, n: int, seconds: float) -> None:
         """Fold in a measured forward over ``n`` tokens."""
-        before = self(n)
-        self.seconds[n] = (1 - COST_SMOOTHING) * before + COST_SMOOTHING * seconds
+        if seconds > 0:
+            ratio = seconds / self.measured(n)
+            self.scale = (1 - COST_SMOOTHING) * self.scale + COST_SMOOTHING * ratio
 
 
 @dataclass

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flyspec.config import LlamaCppConfig
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import common_prefix_length
 
 LLAMACPP_PACKAGE = "llama-cpp-python"
 LLAMACPP_VERSION = "0.3.36"  # the binding flyspec is tested with (the ``llamacpp`` extra)
-DEFAULT_CONTEXT = 8192
 _BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in slices)
 
 
@@ -67,7 +67,9 @@ class LlamaCppLM:
 
     forward_path = "llamacpp"
 
-    def __init__(self, path: str | Path, *, context: int = DEFAULT_CONTEXT, threads: int = 0):
+    def __init__(
+        self, path: str | Path, *, context: int = LlamaCppConfig.context, threads: int = 0
+    ) -> None:
         llama_cpp = require_llamacpp()
         path = Path(path).expanduser()
         if not path.is_file() or path.suffix.lower() != ".gguf":
