@@ -224,8 +224,8 @@ class SpeculativeDecoder:
             known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
             self.block_costs = ForwardCosts(known)
         if measure_draft and config.uses_draft_model and self.draft_token_seconds == 0:
-            first = measure_block_costs(self.draft, context, [1])[1]
-            self.draft_token_seconds = min(first, measure_block_costs(self.draft, context, [1])[1])
+            self._catch_up_draft(context)
+            self.draft_token_seconds = measure_block_costs(self.draft, context, [1])[1]
         fly = config.fly_in_force
         key = (config.mode, config.drafter, config.k, fly)
         if key not in self.auto_policies:

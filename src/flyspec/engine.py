@@ -131,14 +131,15 @@ class Engine:
             forward_path=forward_path,
         )
         self.backend = "llamacpp" if isinstance(self.decoder.target, LlamaCppLM) else "torch"
-        self.kernels: dict = {
-            "linear": "default",
-            "draft_quant": "none",
-            "target_quant": "none",
-            "forward": self.decoder.target.forward_path,
-        }
         if self.backend == "llamacpp":
-            self.kernels = {"backend": "llamacpp", **llamacpp_identity(self.decoder.target)}
+            self.kernels: dict = {"backend": "llamacpp", **llamacpp_identity(self.decoder.target)}
+        else:
+            self.kernels = {
+                "linear": "default",
+                "draft_quant": "none",
+                "target_quant": "none",
+                "forward": self.decoder.target.forward_path,
+            }
         if self.decoder.draft is not None:
             self.kernels["draft_forward"] = self.decoder.draft.forward_path
 

@@ -118,25 +118,21 @@ def time_forwards(
     from flyspec.models.llamacpp import LlamaCppLM
 
     if isinstance(model, LlamaCppLM):
-        return time_runners(
-            {model.forward_path: RewindingRunner(model)},
-            vocab_size=model.vocab_size,
-            new_tokens=new_tokens,
-            context_tokens=context_tokens,
-            repeats=repeats,
-            warmup=warmup,
-            seed=seed,
-            clock=clock,
-        )
+        runners = {model.forward_path: RewindingRunner(model)}
+        vocab_size, device = model.vocab_size, model.device
+    else:
+        runners = {path: make_forward(model, path) for path in forward_paths}
+        vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        device = next(model.parameters()).device
     return time_runners(
-        {path: make_forward(model, path) for path in forward_paths},
-        vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+        runners,
+        vocab_size=vocab_size,
         new_tokens=new_tokens,
         context_tokens=context_tokens,
         repeats=repeats,
         warmup=warmup,
         seed=seed,
-        device=next(model.parameters()).device,
+        device=device,
         clock=clock,
     )
 

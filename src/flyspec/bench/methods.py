@@ -68,7 +68,9 @@ ALL_METHODS = (*IN_PROCESS_METHODS, *LLAMACPP_METHODS, *VLLM_METHOD_NAMES)
 METHODS_NEEDING_DRAFT = frozenset(
     {"spd", "fly", "fly-mla", "fly-paper", "hf-assisted-k", "hf-assisted"}
 )
-LLAMACPP_METHODS_NEEDING_DRAFT = frozenset({"llamacpp-spd", "llamacpp-fly", "llamacpp-fly-mla"})
+LLAMACPP_METHODS_NEEDING_DRAFT = frozenset(
+    name for name, method in LLAMACPP_LOOP_METHODS.items() if method in METHODS_NEEDING_DRAFT
+)
 LOSSLESS_METHODS = frozenset(
     {
         "target",

@@ -24,7 +24,6 @@ from flyspec.errors import FlyspecError
 from flyspec.models.cache import common_prefix_length
 
 LLAMACPP_PACKAGE = "llama-cpp-python"
-LLAMACPP_VERSION = "0.3.36"  # the binding flyspec is tested with (the ``llamacpp`` extra)
 _BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in slices)
 
 
