@@ -3,7 +3,10 @@ where drafting pays and where it does not, and the decoder running it (lossless 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from flyspec.auto_k import (
     PROBE_AFTER,
@@ -15,6 +18,8 @@ from flyspec.auto_k import (
 )
 from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decode import SpeculativeDecoder
+from flyspec.drafters import Draft
+from flyspec.models.cache import CachedLM
 from tests.tiny import make_tiny_model
 
 
@@ -168,3 +173,184 @@ def test_the_config_takes_auto_k_as_a_flag():
 
     with pytest.raises(FlyspecError, match="auto_k"):
         DecodeConfig(auto_k="yes")
+
+
+def test_a_loose_keep_is_counted_only_where_the_window_could_fit():
+    """Rounds of K=4 (a window of 6 never fits) say nothing of loose keeps: the loose rate
+    that rounds of K=15 measured only fades towards the prior (counted as misses, it would
+    fall to about 0.3 here)."""
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6)
+    for _ in range(20):
+        policy.observe(drafted=15, kept=15, loose_positions=[0])
+    assert policy.rates(15)[0] > 0.95
+    for _ in range(20):
+        policy.observe(drafted=4, kept=0)  # position 1 reached, missed, no window possible
+    assert policy.rates(15)[0] > 0.75
+    assert policy.rates(4)[0] < 0.2  # its exact rate did fall
+
+
+def test_a_held_deferral_gets_the_draft_tokens_that_decide_it():
+    """The target alone is the best round here, yet a block of ``need`` is drafted while a
+    deferred window waits on it (a smaller one would always roll the deferral back)."""
+    policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.04, 16: 0.64}), draft_seconds=0.02)
+    observe_rounds(policy, k=8, kept=6)
+    assert policy.choose() == 0
+    assert policy.choose(15, at_least=4) >= 4
+    assert policy.choose(3, at_least=4) == 3  # the budget caps it first
+
+
+def test_a_deferral_is_learnt_as_settled():
+    """A deferred round teaches nothing while pending; rolled back, its deferred position
+    counts as a miss (not a keep); a round wasted by the rollback teaches nothing."""
+    from flyspec.stats import RoundStats
+
+    policy = AutoK(max_k=8, costs=ForwardCosts({1: 0.1}), window=6, defer=True)
+    timing = {"draft_seconds": 0.0, "verify_seconds": 0.0}
+    pending = RoundStats(
+        drafted=8, accepted=3, loosely_accepted=0, emitted=3, deferral="pending", **timing
+    )
+    policy.observe_round(pending)
+    assert sum(policy.reached) == 0
+    wasted = RoundStats(
+        drafted=8, accepted=0, loosely_accepted=0, emitted=0, deferral="wasted", **timing
+    )
+    policy.observe_round(wasted)
+    assert sum(policy.reached) == 0
+    policy.observe_round(dataclasses.replace(pending, deferral="rolled_back", emitted=4))
+    assert policy.reached[:5] == [1, 1, 1, 1, 0]
+    assert policy.exact[:4] == [1, 1, 1, 0]
+    assert sum(policy.loose) == 0
+
+
+def target_drafting_for_itself(decoder: SpeculativeDecoder, k: int) -> None:
+    """Forward costs of a memory-bound machine with a nearly free draft: -k auto drafts."""
+    decoder.block_costs = ForwardCosts({n: 0.01 for n in probe_sizes(k + 1)})
+    decoder.draft_token_seconds = 1e-4
+
+
+def test_a_draft_that_has_caught_up_is_not_fed_again():
+    """Each drafted token costs the draft one forward, and the prompt one more before the
+    first block: a draft whose cache already holds the context is not run over it again."""
+    from flyspec.stats import RequestStats
+
+    model = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
+    decoder = SpeculativeDecoder(model, model)
+    target_drafting_for_itself(decoder, k=4)
+    stats = RequestStats()
+    config = DecodeConfig(mode="spd", k=4, auto_k=True, max_new_tokens=41)
+    assert len(list(decoder.stream([5, 17, 33, 8, 60], config, stats=stats))) == 41
+    drafted = sum(r.drafted for r in stats.rounds)
+    assert drafted == 32  # eight full blocks, all kept
+    assert decoder.draft.forward_calls == drafted + 1
+
+
+class ScriptedPreference(AutoK):
+    """Prefers the largest block in the first round and the target alone after it."""
+
+    rounds_seen = 0
+
+    def choose(self, limit: int | None = None, **bounds) -> int:
+        chosen = super().choose(limit, **bounds)
+        self.rounds_seen += 1
+        return chosen
+
+    def tokens_per_second(self, k: int) -> float:
+        return k if self.rounds_seen == 0 else -k
+
+
+def test_under_auto_a_deferred_window_can_be_confirmed():
+    """The target drafts for itself but for one token: where that token's window runs past
+    the block, it is deferred, and the next block, though the policy prefers the target
+    alone, drafts enough tokens to confirm it."""
+    from flyspec.stats import RequestStats
+
+    model = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
+    prompt = [5, 17, 33, 8, 60]
+    greedy = [
+        e.token
+        for e in SpeculativeDecoder(model).stream(
+            prompt, DecodeConfig(mode="target", max_new_tokens=4)
+        )
+    ]
+    spoiled = (greedy[2] + 1) % 96
+    fly = FlyConfig(window=3, theta=0.0, defer=True)
+    config = DecodeConfig(mode="fly", k=4, auto_k=True, max_new_tokens=24, fly=fly)
+
+    class SpoilThird:
+        """The target's greedy continuation, with its third token replaced."""
+
+        def __init__(self) -> None:
+            self.lm = CachedLM(model)
+
+        def reset(self) -> None:
+            self.lm.reset()
+
+        def propose(self, context, k):
+            tokens = []
+            for _ in range(k):
+                token = int(self.lm.logits(list(context) + tokens, 1)[0].argmax())
+                if len(context) + len(tokens) == len(prompt) + 2:
+                    token = spoiled
+                tokens.append(token)
+            return Draft(tokens=torch.tensor(tokens, dtype=torch.long))
+
+    decoder = SpeculativeDecoder(model, model)
+    target_drafting_for_itself(decoder, k=4)
+    key = (config.mode, config.drafter, config.k, fly)
+    decoder.auto_policies[key] = ScriptedPreference(
+        max_k=4, costs=decoder.block_costs, window=3, defer=True
+    )
+    stats = RequestStats()
+    tokens = [e.token for e in decoder.stream(prompt, config, stats=stats, drafter=SpoilThird())]
+    assert stats.rounds[0].deferral == "confirmed"
+    assert tokens[2] == spoiled
+    assert stats.rounds[1].drafted >= 1
+
+
+def test_the_decoder_reads_the_vocabulary_size_of_any_language_model():
+    model = make_tiny_model(vocab_size=96, seed=2, num_layers=1)
+    assert CachedLM(model).vocab_size == 96
+    assert SpeculativeDecoder(model).vocab_size == 96
+
+
+class BoundedLM(CachedLM):
+    """A torch model whose cache holds at most ``context_length`` positions, as llama.cpp's."""
+
+    def __init__(self, model, context_length: int) -> None:
+        super().__init__(model)
+        self.context_length = context_length
+
+    def logits(self, tokens, num_logits=1):
+        assert len(tokens) <= self.context_length, f"{len(tokens)} > {self.context_length}"
+        return super().logits(tokens, num_logits)
+
+
+def test_the_cost_probe_stays_within_the_context():
+    """A prompt of 20 tokens and 12 new ones fill a context of 32: the probe of -k auto times
+    no block that the request itself could not hold (K=15 would need 35 positions)."""
+    model = make_tiny_model(vocab_size=96, seed=2, num_layers=1)
+    decoder = SpeculativeDecoder(
+        BoundedLM(model, 32), make_tiny_model(vocab_size=96, seed=1, num_layers=1)
+    )
+    config = DecodeConfig(mode="fly", k=15, auto_k=True, max_new_tokens=12, fly=FlyConfig())
+    prompt = [(7 * i) % 90 + 4 for i in range(20)]
+    assert len(list(decoder.stream(prompt, config))) == 12
+    assert max(decoder.block_costs.seconds) == 12
+
+
+def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):
+    """CUDA runs a forward asynchronously: each timed forward is waited for."""
+    from flyspec.auto_k import measure_block_costs
+
+    calls = []
+
+    class QueuedLM:
+        device = torch.device("cuda")
+
+        def logits(self, tokens, num_logits=1):
+            calls.append("forward")
+            return torch.zeros(num_logits, 4)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("wait"))
+    measure_block_costs(QueuedLM(), [1, 2, 3], [1, 2])
+    assert calls == ["forward", "wait", "forward", "wait"]

@@ -64,3 +64,42 @@ def test_only_float_linear_layers_are_merged():
     assert merge_int8_projections(model) == 0
     assert not any(isinstance(layer.mlp, GatedMLP) for layer in model.model.layers)
     assert not hasattr(model.model.layers[0].self_attn, "merged_qkv_proj")
+
+
+@pytest.mark.parametrize("layout", ["pack", "fp16"])
+def test_file_pages_are_released_while_their_weights_are_still_held(monkeypatch, layout):
+    """madvise on a range whose mapping is already gone could wipe whatever memory reused
+    it: each release comes while the weights it names are still alive."""
+    import weakref
+
+    from flyspec import kernels
+
+    if layout == "pack" and not kernels.onednn_linear_available():
+        pytest.skip("oneDNN's linear is not in this torch build")
+    model = make_tiny_model(vocab_size=96, seed=3, num_layers=2)
+    alive = {}
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            alive[module.weight.data_ptr()] = weakref.ref(module.weight)
+    released = []
+
+    def release(ranges):
+        released.append(all(alive[address]() is not None for address, _ in ranges))
+
+    # Every weight counts as mapped from a file here, so each release names its weights.
+    monkeypatch.setattr(
+        kernels, "file_backed", lambda tensors, _: [(t.data_ptr(), t.nbytes) for t in tensors]
+    )
+    monkeypatch.setattr(kernels, "release_file_pages", release)
+    if layout == "pack":
+        kernels.pack_linear_layers(model)
+    else:
+        kernels.quantize_fp16(model)
+    assert released and all(released)
+
+
+def test_a_release_the_kernel_refuses_is_reported():
+    from flyspec.memory import release_file_pages
+
+    with pytest.warns(RuntimeWarning, match="could not release"):
+        release_file_pages([(4096, 8192)])  # the first pages of the address space: unmapped

@@ -23,6 +23,10 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from flyspec.stats import RoundStats
+
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""
 PRIOR_RATE = 0.7
@@ -94,11 +98,18 @@ class ForwardCosts:
 
 @dataclass
 class AutoK:
-    """Running estimates of one request and the block size they choose.
+    """Running estimates and the block size they choose, shared by the requests of one set of
+    settings (what one request learns, the next starts from).
 
     ``max_k``: the largest block; ``window``: FLy's deferred window (None for lossless
     decoding, whose positions are kept exactly or not at all); ``defer``: FLy's deferral
     (a window may then run past the block); ``draft_seconds``: the first estimate of ``d``.
+
+    Per draft position ``i`` it counts the rounds that reached it (``reached``), kept it
+    exactly (``exact``), and, among the rounds where a loose keep was possible there (the
+    window fit in the block: ``loose_possible``), kept it loosely (``loose``). Costs are
+    learnt from every round (:meth:`observe_costs`), acceptance only from a round whose
+    verdict is final (:meth:`observe_round`).
     """
 
     max_k: int
@@ -108,6 +119,7 @@ class AutoK:
     draft_seconds: float = 0.0
     reached: list[float] = field(default_factory=list)
     exact: list[float] = field(default_factory=list)
+    loose_possible: list[float] = field(default_factory=list)
     loose: list[float] = field(default_factory=list)
     plain_rounds: int = 0
     probe_after: int = PROBE_AFTER
@@ -117,7 +129,13 @@ class AutoK:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         self.reached = [0.0] * self.max_k
         self.exact = [0.0] * self.max_k
+        self.loose_possible = [0.0] * self.max_k
         self.loose = [0.0] * self.max_k
+
+    def window_fits(self, position: int, k: int) -> bool:
+        """Whether FLy can keep the 0-based draft ``position`` loosely in a block of ``k``:
+        its window of W further tokens fits in the block, or deferral carries it over."""
+        return self.window is not None and (self.defer or position + 1 + self.window <= k)
 
     def rates(self, k: int) -> list[float]:
         """``p_i(k)`` for i = 1..k: each position's running exact rate, plus its loose rate
@@ -125,33 +143,38 @@ class AutoK:
         exact_prior, loose_prior = self._pooled()
         rates = []
         for i in range(k):
-            weight = self.reached[i] + PRIOR_WEIGHT
-            exact = (self.exact[i] + PRIOR_WEIGHT * exact_prior) / weight
-            loose = (self.loose[i] + PRIOR_WEIGHT * loose_prior) / weight
-            fits = self.window is not None and (self.defer or i + 1 + self.window <= k)
-            rates.append(min(exact + (loose if fits else 0.0), 1.0))
+            exact = (self.exact[i] + PRIOR_WEIGHT * exact_prior) / (self.reached[i] + PRIOR_WEIGHT)
+            loose = (self.loose[i] + PRIOR_WEIGHT * loose_prior) / (
+                self.loose_possible[i] + PRIOR_WEIGHT
+            )
+            rates.append(min(exact + (loose if self.window_fits(i, k) else 0.0), 1.0))
         return rates
 
     def _pooled(self) -> tuple[float, float]:
         """The exact and loose rates over all positions (the prior of each position)."""
-        reached = sum(self.reached)
         exact_share = PRIOR_RATE if self.window is None else PRIOR_RATE * 0.8
-        exact = (sum(self.exact) + PRIOR_WEIGHT * exact_share) / (reached + PRIOR_WEIGHT)
+        exact = (sum(self.exact) + PRIOR_WEIGHT * exact_share) / (sum(self.reached) + PRIOR_WEIGHT)
         if self.window is None:
             return exact, 0.0
         loose_share = PRIOR_RATE - exact_share
-        return exact, (sum(self.loose) + PRIOR_WEIGHT * loose_share) / (reached + PRIOR_WEIGHT)
+        loose = (sum(self.loose) + PRIOR_WEIGHT * loose_share) / (
+            sum(self.loose_possible) + PRIOR_WEIGHT
+        )
+        return exact, loose
 
     def tokens_per_second(self, k: int) -> float:
         """Expected tokens per second of a round that drafts ``k`` tokens."""
         return expected_tokens(self.rates(k)) / (k * self.draft_seconds + self.costs(k + 1))
 
-    def choose(self, limit: int | None = None) -> int:
-        """The block size of the next round, at most ``limit`` (the budget left)."""
+    def choose(self, limit: int | None = None, *, at_least: int = 0) -> int:
+        """The block size of the next round, at most ``limit`` (the budget left) and at least
+        ``at_least`` (the draft tokens that decide a deferred window: fewer would always
+        roll it back)."""
         top = self.max_k if limit is None else max(0, min(self.max_k, limit))
+        low = min(at_least, top)
         if top == 0:
             return 0
-        best = max(range(top + 1), key=self.tokens_per_second)
+        best = max(range(low, top + 1), key=self.tokens_per_second)
         if best > 0:
             self.probe_after = PROBE_AFTER  # drafting pays again: probe promptly when it stops
         elif self.plain_rounds >= self.probe_after and self.could_pay(top):
@@ -180,49 +203,89 @@ class AutoK:
         draft_seconds: float = 0.0,
         verify_seconds: float = 0.0,
     ) -> None:
-        """Fold in one round: ``drafted`` tokens, of which the first ``kept`` were kept,
-        those at the 0-based ``loose_positions`` loosely; its drafting and verifying time."""
+        """Fold in one round whose verdict is final: its costs and its acceptance."""
+        self.observe_costs(
+            drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
+        )
+        self.observe_acceptance(drafted=drafted, kept=kept, loose_positions=loose_positions)
+
+    def observe_costs(
+        self, *, drafted: int, draft_seconds: float = 0.0, verify_seconds: float = 0.0
+    ) -> None:
+        """Fold in one round's drafting time (``drafted`` tokens) and verifying time."""
         if drafted == 0:
             self.plain_rounds += 1
         else:
             self.plain_rounds = 0
             self.draft_seconds = _smooth(self.draft_seconds, draft_seconds / drafted)
-            for rates in (self.reached, self.exact, self.loose):
-                rates[:] = [DECAY * value for value in rates]
-            loose = set(loose_positions)
-            for i in range(min(kept + 1, drafted, self.max_k)):
-                self.reached[i] += 1
-                if i < kept:
-                    (self.loose if i in loose else self.exact)[i] += 1
         self.costs.observe(drafted + 1, verify_seconds)
+
+    def observe_acceptance(
+        self, *, drafted: int, kept: int, loose_positions: Iterable[int] = ()
+    ) -> None:
+        """Fold in which of ``drafted`` tokens were kept: the first ``kept``, those at the
+        0-based ``loose_positions`` loosely."""
+        if drafted == 0:
+            return
+        for rates in (self.reached, self.exact, self.loose_possible, self.loose):
+            rates[:] = [DECAY * value for value in rates]
+        loose = set(loose_positions)
+        for i in range(min(kept + 1, drafted, self.max_k)):
+            self.reached[i] += 1
+            self.loose_possible[i] += self.window_fits(i, drafted)
+            if i < kept:
+                (self.loose if i in loose else self.exact)[i] += 1
+
+    def observe_round(self, round_stats: RoundStats) -> None:
+        """Fold in a committed round's acceptance, as the request settled it: a deferred
+        window counts once the next block confirmed or rolled it back, and a round wasted by
+        a rollback teaches nothing (it drafted after tokens that were then taken back)."""
+        if round_stats.deferral in ("pending", "wasted"):
+            return
+        self.observe_acceptance(
+            drafted=round_stats.drafted,
+            kept=round_stats.accepted + round_stats.loosely_accepted,
+            loose_positions=[token.position for token in round_stats.loose_tokens],
+        )
 
 
 def _smooth(before: float, measured: float) -> float:
     return measured if before <= 0 else (1 - COST_SMOOTHING) * before + COST_SMOOTHING * measured
 
 
-def probe_sizes(max_n: int) -> list[int]:
+def probe_sizes(max_n: int, *, room: int | None = None) -> list[int]:
     """The forward sizes measured before a request's first round: powers of two up to
-    ``max_n``, and ``max_n``."""
+    ``max_n``, and ``max_n``; none above ``room`` (the largest forward that fits the model's
+    context after the request's context: sizes beyond are extrapolated from the table)."""
+    top = max_n if room is None else max(1, min(max_n, room))
     sizes, n = [], 1
-    while n < max_n:
+    while n < top:
         sizes.append(n)
         n *= 2
-    return [*sizes, max_n]
+    return [*sizes, top]
 
 
 def measure_block_costs(lm, context: Sequence[int], sizes: Iterable[int]) -> dict[int, float]:
     """Seconds of one forward of ``lm`` (a :class:`~flyspec.models.cache.LanguageModel`) over n
     tokens after ``context``, for each n of ``sizes``: the last context token plus n - 1 copies
     of it, the shape of a verification. The context must be cached but for its last token;
-    the next call with the real block reuses it (the model's cache keeps the common prefix)."""
+    the next call with the real block reuses it (the model's cache keeps the common prefix).
+    On a GPU each forward is waited for, so that the time is the work's, not its launch's."""
     measured: dict[int, float] = {}
     filler = list(context[-1:])
     for n in sizes:
         started = time.perf_counter()
         lm.logits(list(context) + filler * (n - 1), n)
+        wait_for_device(lm.device)
         measured[n] = time.perf_counter() - started
     return measured
+
+
+def wait_for_device(device) -> None:
+    """Wait until the work queued on ``device`` (a ``torch.device``) is done: CUDA runs it
+    asynchronously; the CPU has already done it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def describe_costs(costs: Mapping[int, float]) -> str:

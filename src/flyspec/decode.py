@@ -26,7 +26,7 @@ from flyspec.decode_state import (
 )
 from flyspec.drafters import Draft, Drafter, make_drafter
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import CachedLM, LanguageModel
+from flyspec.models.cache import CachedLM, LanguageModel, common_prefix_length
 from flyspec.stats import LooseToken, RequestStats, RoundStats
 from flyspec.verify import (
     Verdict,
@@ -109,11 +109,7 @@ class SpeculativeDecoder:
         self.block_costs: ForwardCosts | None = None  # -k auto: the target's forward costs
         self.draft_token_seconds = 0.0  # -k auto: the draft model's first one-token forward
         self.auto_policies: dict[tuple, AutoK] = {}  # -k auto: by settings, across requests
-        self.vocab_size = (
-            _output_vocab_size(target)
-            if isinstance(target, torch.nn.Module)
-            else int(target.vocab_size)
-        )
+        self.vocab_size = self.target.vocab_size
 
     def stream(
         self,
@@ -174,22 +170,25 @@ class SpeculativeDecoder:
                 k = 0 if drafter is None else min(config.k, remaining - 1)
                 catch_up = 0.0
                 if auto is not None:
-                    k = auto.choose(k)
+                    k = auto.choose(k, at_least=0 if progress.held is None else progress.held.need)
                     if k > 0 and own_drafter and config.uses_draft_model:
                         catch_up = self._catch_up_draft(progress.context)
                 step = self._round(progress.context, drafter, k, config, target_generator)
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
                 if auto is not None:
-                    auto.observe(
+                    auto.observe_costs(
                         drafted=len(step.draft),
-                        kept=step.verdict.num_kept,
-                        loose_positions=step.verdict.loose_positions,
                         draft_seconds=step.draft_seconds,
                         verify_seconds=step.verify_seconds,
                     )
                     step = dataclasses.replace(step, draft_seconds=step.draft_seconds + catch_up)
+                deferring_slot = None if progress.held is None else progress.held.round_slot
                 events, finished = self._commit(step, progress, config, drafter, stats)
+                if auto is not None:  # acceptance as committed: a deferral once it is settled
+                    auto.observe_round(stats.rounds[-1])
+                    if deferring_slot is not None:
+                        auto.observe_round(stats.rounds[deferring_slot])
                 yield from deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
@@ -203,8 +202,11 @@ class SpeculativeDecoder:
     def _catch_up_draft(self, context: list[int]) -> float:
         """With -k auto the draft model reads only what it drafts after: before a block, it
         reads the context it has not seen (the prompt, the rounds of the target alone). Its
-        seconds, kept out of the per-token drafting cost that chooses the block."""
-        if len(context) < 2:
+        seconds, kept out of the per-token drafting cost that chooses the block. A draft at
+        most two positions behind (after a drafting round: the correction, or the last draft
+        token and the bonus) reads them in its first drafting forward, as with a fixed K."""
+        unseen = len(context) - common_prefix_length(self.draft.cached_tokens, context)
+        if unseen <= 2:
             return 0.0
         started = time.perf_counter()
         self.draft.logits(context[:-1])
@@ -215,7 +217,9 @@ class SpeculativeDecoder:
         them (what one learns, the next starts from). The target's forward costs are measured
         on the first request's context (and for sizes not yet measured), then kept and refined
         by every round; so is the draft model's cost per token."""
-        sizes = probe_sizes(config.k + 1)
+        largest = min(config.k, config.max_new_tokens - 1) + 1
+        room = self.target.context_length
+        sizes = probe_sizes(largest, room=None if room is None else room - len(context) + 1)
         known = {} if self.block_costs is None else self.block_costs.seconds
         if not set(sizes) <= set(known):
             # Twice over, keeping the faster: the first forwards of a process may run cold.
@@ -465,12 +469,6 @@ def _language_model(model: torch.nn.Module | LanguageModel, forward_path: str) -
     if isinstance(model, torch.nn.Module):
         return CachedLM(model, forward_path=forward_path)
     return model
-
-
-def _output_vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the output layer; ``out_features`` also covers packed and quantised layers."""
-    head = model.get_output_embeddings()
-    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def _resize_vocab(probs: torch.Tensor, size: int) -> torch.Tensor:

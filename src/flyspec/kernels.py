@@ -81,8 +81,10 @@ def pack_linear_layers(model, *, batch_hint: int = 16) -> int:
         original = getattr(parent, name)
         mapped = file_backed([original.weight], mappings)
         setattr(parent, name, OneDnnLinear(original, batch_hint))
-        del original
+        # While ``original`` still holds the mapping: once its last view is gone, the range
+        # may be unmapped and reused by other memory, which madvise would then wipe.
         release_file_pages(mapped)
+        del original
     return len(places)
 
 
@@ -109,13 +111,13 @@ def quantize_linear_layers(model, dtype: torch.dtype):
     for part in [*layers, model]:
         weights = [m.weight for m in part.modules() if type(m) is torch.nn.Linear]
         replaced = file_backed(weights, mappings)
-        del weights
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
             torch.ao.quantization.quantize_dynamic(
                 part, {torch.nn.Linear}, dtype=dtype, inplace=True
             )
-        release_file_pages(replaced)
+        release_file_pages(replaced)  # while ``weights`` still hold the mapping
+        del weights
     return model
 
 

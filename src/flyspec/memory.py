@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 SAMPLE_SECONDS = 0.05
@@ -142,7 +143,9 @@ def file_backed(tensors, mappings: list[tuple[int, int]]) -> list[tuple[int, int
 def release_file_pages(ranges) -> None:
     """Take the whole pages of ``ranges`` (:func:`file_backed`) out of this process's resident
     memory once nothing reads them any more (a weight replaced by its packed or quantised
-    copy). They are the file's: read again, they would come back from it, so this is safe."""
+    copy). They are the file's: read again, they would come back from it, so this is safe
+    while the mapping lasts; call it while something still holds the tensors. Where the kernel
+    refuses, the pages stay resident (more memory, nothing wrong) and a warning says so."""
     if not ranges or not hasattr(mmap, "MADV_DONTNEED"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -150,5 +153,14 @@ def release_file_pages(ranges) -> None:
     for address, size in ranges:
         first = -(-address // page) * page
         last = (address + size) // page * page
-        if last > first:
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+        if last <= first:
+            continue
+        length = last - first
+        if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), mmap.MADV_DONTNEED):
+            reason = os.strerror(ctypes.get_errno())
+            warnings.warn(
+                f"could not release {length} bytes of mapped weights at {first:#x} ({reason}): "
+                "they stay in memory",
+                RuntimeWarning,
+                stacklevel=2,
+            )

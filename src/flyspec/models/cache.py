@@ -97,6 +97,12 @@ class LanguageModel(Protocol):
     device: torch.device
     forward_path: str
     forward_calls: int
+    vocab_size: int
+    """Rows of the logits."""
+    cached_tokens: list[int]
+    """The token ids whose positions the cache holds."""
+    context_length: int | None
+    """The most positions the cache can hold (None: no fixed limit)."""
 
     def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """``[num_logits, V]``: row ``j`` predicts the token after
@@ -127,6 +133,14 @@ class CachedLM:
         self.runner = make_forward(model, forward_path)
         self.cached_tokens: list[int] = []
         self.forward_calls = 0
+        self.context_length: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer; ``out_features`` also covers packed and quantised
+        layers."""
+        head = self.model.get_output_embeddings()
+        return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
     @property
     def forward_path(self) -> str:
