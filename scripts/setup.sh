@@ -57,21 +57,16 @@ if [ "${1:-}" = "--vllm-fly" ]; then
     exit 0
 fi
 
-# --llamacpp (and --test) add llama.cpp's Python binding (the llamacpp extra), which pip builds
-# from source the first time (about 20 minutes on 2 cores) and reuses from its wheel cache after.
+# --llamacpp (and --test) add llama.cpp's Python binding, built for this CPU and checked to
+# decode here (scripts/install_llamacpp.sh: about 20 minutes on 2 cores the first time, then
+# kept under ~/.cache/flyspec/wheels).
 make_venv .venv
-if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--llamacpp" ]; then
-    if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-        echo "installing llama-cpp-python (builds llama.cpp unless pip has the wheel cached) ..."
-    fi
-    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-fi
 if [ "${1:-}" = "--test" ]; then
-    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test,llamacpp]" \
-        --group dev
-elif [ "${1:-}" = "--llamacpp" ]; then
-    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,llamacpp]"
+    .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test]" --group dev
 else
     .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot]"
+fi
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--llamacpp" ]; then
+    bash scripts/install_llamacpp.sh .venv
 fi
 echo "flyspec installed in $(pwd)/.venv"

@@ -236,3 +236,70 @@ def test_the_commands_run_on_gguf_files(capsys, monkeypatch, tmp_path, tiny_gguf
         "llamacpp-fly@auto",
     ]
     assert "| llamacpp-spd@3 |" in captured.out
+
+
+@pytest.fixture
+def crashing_binding(tmp_path):
+    """The environment of a process whose ``llama_cpp`` crashes on its first call into the
+    library (what a binding built for a CPU feature that faults does), with a fresh
+    ``$FLYSPEC_HOME``."""
+    import os
+
+    package = tmp_path / "crashing" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import ctypes\n\n\n"
+        "def __getattr__(name):\n"
+        "    if name.startswith('__'):\n"
+        "        raise AttributeError(name)\n"
+        "    return lambda *args: ctypes.string_at(0)  # reads address 0: SIGSEGV\n"
+    )
+    return {
+        **os.environ,
+        "PYTHONPATH": str(package.parent),
+        "FLYSPEC_HOME": str(tmp_path / "home"),
+    }
+
+
+def test_a_binding_that_crashes_stops_with_one_line_that_names_the_fix(
+    crashing_binding, tiny_ggufs
+):
+    import subprocess
+
+    _, _, _, draft_path, target_path = tiny_ggufs
+    command = [sys.executable, "-m", "flyspec.cli", "generate", "--backend", "llamacpp"]
+    command += ["--target", str(target_path), "--draft", str(draft_path), "def fibonacci("]
+    result = subprocess.run(
+        command, env=crashing_binding, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("flyspec: error: llama.cpp's binding")
+    assert "cannot decode on this CPU" in last and "killed by SIGSEGV" in last
+    assert "scripts/install_llamacpp.sh" in last and "-mno-amx-tile" in last
+
+    doctor = subprocess.run(
+        [sys.executable, "-m", "flyspec.cli", "doctor"],
+        env=crashing_binding,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert doctor.returncode == 1
+    line = next(line for line in doctor.stdout.splitlines() if "llama.cpp" in line)
+    assert line.startswith("fails") and "killed by SIGSEGV" in line
+    assert "fix: scripts/install_llamacpp.sh" in doctor.stdout
+
+
+def test_the_decode_check_is_kept_per_build_and_cpu(tmp_path):
+    from flyspec.models.llamacpp_check import check_decoding, verdict_path
+
+    home = tmp_path / "home"
+    verdict = check_decoding(home=home)
+    assert verdict.ok, verdict.describe()
+    path = verdict_path(home)
+    assert path.is_file()
+    path.write_text(path.read_text().replace('"ok": true', '"ok": false'))
+    assert not check_decoding(home=home).ok  # read from the record, not checked again
+    assert check_decoding(home=home, recheck=True).ok

@@ -76,10 +76,15 @@ class MtBenchQuestion:
     turns: tuple[str, ...]
 
 
+def installed_dataset_file(dataset: DatasetPackage, *, home: Path | None = None) -> Path:
+    """Where the dataset's data file lies once installed."""
+    return flyspec_home(home) / "datasets" / dataset.name / dataset.data_file
+
+
 def dataset_file(dataset: DatasetPackage, *, home: Path | None = None, quiet: bool = False) -> Path:
     """The dataset's data file, installing its package first when needed."""
     folder = flyspec_home(home) / "datasets" / dataset.name
-    path = folder / dataset.data_file
+    path = installed_dataset_file(dataset, home=home)
     if path.is_file():
         return path
     if not quiet:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from flyspec.cli import bench, calibrate, evaluate, generate, manage, serve
+from flyspec.cli import bench, calibrate, doctor, evaluate, generate, manage, serve
 from flyspec.cli.options import EXIT_USAGE, Parser
 from flyspec.errors import FlyspecError
 from flyspec.runtime import configure_cpu_math
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_parser(commands)
     bench.add_parser(commands)
     bench.add_compare_parser(commands)
+    doctor.add_parser(commands)
     return parser
 
 

@@ -50,6 +50,20 @@ def llamacpp_version() -> str | None:
         return None
 
 
+def llamacpp_requirement() -> str:
+    """The binding flyspec's ``llamacpp`` extra pins, e.g. ``llama-cpp-python==0.3.36``."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        pinned = requires("flyspec") or []
+    except PackageNotFoundError:
+        pinned = []
+    for requirement in pinned:
+        if requirement.startswith(LLAMACPP_PACKAGE):
+            return requirement.split(";")[0].strip()
+    return LLAMACPP_PACKAGE
+
+
 def default_threads() -> int:
     """llama.cpp's threads: the cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -62,12 +76,21 @@ class LlamaCppLM:
     :meth:`logits` takes the whole sequence each time: positions past the longest prefix shared
     with the cached tokens are removed from the KV cache, the rest are fed in one forward (in
     slices of 512 for a long prompt), and logits come back for the last ``num_logits`` only.
+
+    ``check_binding``: first make sure, in a child process, that the binding can decode on
+    this CPU (:mod:`flyspec.models.llamacpp_check`; once per build and machine), so that a
+    binding that would crash stops with a one-line error instead.
     """
 
     forward_path = "llamacpp"
 
     def __init__(
-        self, path: str | Path, *, context: int = LlamaCppConfig.context, threads: int = 0
+        self,
+        path: str | Path,
+        *,
+        context: int = LlamaCppConfig.context,
+        threads: int = 0,
+        check_binding: bool = True,
     ) -> None:
         llama_cpp = require_llamacpp()
         path = Path(path).expanduser()
@@ -75,6 +98,10 @@ class LlamaCppLM:
             raise FlyspecError(f"the llama.cpp backend runs .gguf files; not one: {path}")
         if context < 16:
             raise FlyspecError(f"the llama.cpp context must be at least 16 tokens, got {context}")
+        if check_binding:
+            from flyspec.models.llamacpp_check import ensure_llamacpp_decodes
+
+            ensure_llamacpp_decodes()
         self.path = path
         self.threads = threads or default_threads()
         self._api = llama_cpp
