@@ -21,7 +21,7 @@ PIP_FLAGS=(--quiet --disable-pip-version-check)
 REQUIREMENT=$(sed -n 's/^llamacpp = \["\([^"]*\)"\].*/\1/p' pyproject.toml)  # llama-cpp-python==V
 
 if "$PY" -c "import llama_cpp" 2>/dev/null; then
-    if "$PY" -m flyspec.models.llamacpp_check --recheck; then
+    if "$PY" -m flyspec.models.llamacpp_binding --recheck; then
         exit 0
     fi
     echo "rebuilding llama.cpp's binding for this CPU ..."
@@ -49,7 +49,7 @@ if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
 fi
 "$PY" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEELS"/*.whl
 "$PY" -m pip install "${PIP_FLAGS[@]}" "$(ls "$WHEELS"/*.whl)"  # its dependencies
-if ! "$PY" -m flyspec.models.llamacpp_check --recheck; then
+if ! "$PY" -m flyspec.models.llamacpp_binding --recheck; then
     echo "llama.cpp's binding, built in $WHEELS, does not decode on this CPU" >&2
     exit 1
 fi

@@ -473,3 +473,40 @@ def test_encode_prompt_opens_the_reply(tiny_engine):
     assert text.replace("\n", "").endswith("<|im_start|>assistantdef")
     raw = BenchPrompt("y", raw="for")
     assert encode_prompt(tiny_engine.tokenizer, raw) == tiny_engine.encode("for")
+
+
+def test_a_method_that_fails_is_reported_and_the_others_keep_their_figures(
+    tiny_engine, monkeypatch
+):
+    from flyspec.bench.methods import FlyspecMethod
+    from flyspec.bench.report import markdown_report
+
+    run = FlyspecMethod.run
+
+    def failing_on_b(self, prompt_ids, **settings):
+        if self.name == "spd" and len(prompt_ids) == len(tiny_engine.encode("x = 1")):
+            raise RuntimeError("the engine gave up\nat line two")
+        return run(self, prompt_ids, **settings)
+
+    monkeypatch.setattr(FlyspecMethod, "run", failing_on_b)
+    prompts = [BenchPrompt(id="a", raw="def fibonacci(n):"), BenchPrompt(id="b", raw="x = 1")]
+    config = DecodeConfig(k=3, max_new_tokens=6)
+    report = run_benchmark(
+        tiny_engine, prompts, ["target", "spd", "fly"], config, progress=False, warmup=False
+    )
+    assert [s["method"] for s in report["methods"]] == ["target", "fly"]
+    assert all(s["samples"] == 2 for s in report["methods"])
+    assert report["failed_methods"] == [
+        {
+            "method": "spd",
+            "reason": "failed during prompt b: RuntimeError: the engine gave up at line two",
+        }
+    ]
+    report["config"]["chat"] = False  # the command adds it
+    text = markdown_report(report)
+    assert "| fly |" in text and "- spd: failed during prompt b" in text
+    assert all(s["touched_bytes"] > 0 for s in report["methods"])
+
+    monkeypatch.setattr(FlyspecMethod, "run", lambda self, *a, **k: 1 / 0)
+    with pytest.raises(FlyspecError, match="the baseline target failed during prompt a"):
+        run_benchmark(tiny_engine, prompts, ["target", "fly"], config, progress=False, warmup=False)

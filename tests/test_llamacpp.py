@@ -15,7 +15,8 @@ from flyspec.config import DecodeConfig, LlamaCppConfig
 from flyspec.decode import SpeculativeDecoder
 from flyspec.engine import Engine
 from flyspec.errors import FlyspecError
-from flyspec.models.llamacpp import LlamaCppLM, require_llamacpp
+from flyspec.models.llamacpp import LlamaCppLM
+from flyspec.models.llamacpp_binding import require_llamacpp
 from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf
 
 VOCAB = 96
@@ -293,7 +294,7 @@ def test_a_binding_that_crashes_stops_with_one_line_that_names_the_fix(
 
 
 def test_the_decode_check_is_kept_per_build_and_cpu(tmp_path):
-    from flyspec.models.llamacpp_check import check_decoding, verdict_path
+    from flyspec.models.llamacpp_binding import check_decoding, verdict_path
 
     home = tmp_path / "home"
     verdict = check_decoding(home=home)
@@ -303,3 +304,30 @@ def test_the_decode_check_is_kept_per_build_and_cpu(tmp_path):
     path.write_text(path.read_text().replace('"ok": true', '"ok": false'))
     assert not check_decoding(home=home).ok  # read from the record, not checked again
     assert check_decoding(home=home, recheck=True).ok
+
+
+def test_the_bindings_prompt_lookup_runs_a_prompt_longer_than_a_batch(tiny_ggufs):
+    """The binding keeps every position's logits with a draft model, in a buffer it sizes
+    for one batch (512) unless told: a longer prompt overran it."""
+    tokenizer, _, _, draft_path, target_path = tiny_ggufs
+    engine = Engine(
+        target_model=LlamaCppLM(target_path, context=1024, threads=1),
+        draft_model=LlamaCppLM(draft_path, context=1024, threads=1),
+        tokenizer=tokenizer,
+        target_name=str(target_path),
+        draft_name=str(draft_path),
+    )
+    prompt = BenchPrompt(id="long", raw="for i in range(10):\n    print(i)\n" * 30)
+    assert len(tokenizer.encode(prompt.raw)) > 512
+    report = run_benchmark(
+        None,
+        [prompt],
+        ["llamacpp-target", "llamacpp-lookup"],
+        DecodeConfig(k=4, max_new_tokens=24),
+        progress=False,
+        llamacpp_engine=engine,
+        baseline="llamacpp-target",
+    )
+    assert report["failed_methods"] == []
+    lookup = report["methods"][1]
+    assert lookup["method"] == "llamacpp-lookup" and lookup["identical_to_target"] == 1

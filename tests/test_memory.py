@@ -86,3 +86,23 @@ def test_checkpoint_parameters_come_from_the_file_headers(wide_model):
     folder, weights = wide_model
     assert checkpoint_parameters(folder) * 4 == weights
     assert checkpoint_parameters(folder / "nothing-here") is None
+
+
+def test_the_memory_a_piece_of_work_touched_leaves_out_what_the_process_only_holds():
+    """Two methods of one bench share a process: each run's own memory is what it read or
+    wrote, not what the other's models hold."""
+    import os
+
+    import numpy as np
+
+    from flyspec.memory import forget_touched, touched_bytes
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("Linux's clear_refs is not writable here")
+    held = np.ones(96 * 2**20 // 8)  # 96 MiB resident, not used below
+    forget_touched()
+    used = np.ones(32 * 2**20 // 8)
+    used += 1
+    touched = touched_bytes()
+    assert 32 * 2**20 <= touched < 80 * 2**20
+    assert held.sum() > 0

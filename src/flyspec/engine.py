@@ -232,7 +232,7 @@ class Engine:
     ) -> Engine:
         from flyspec.models import check_same_tokenizer
         from flyspec.models.default_pair import default_gguf_paths
-        from flyspec.models.llamacpp import require_llamacpp
+        from flyspec.models.llamacpp_binding import require_llamacpp
 
         settings = settings or LlamaCppConfig()
         require_llamacpp()  # before anything slow

@@ -11,9 +11,10 @@ Heavy imports (torch, transformers, matplotlib) happen inside the functions, so 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from flyspec.bench.methods import (
     LOSSLESS_METHODS,
@@ -66,12 +67,17 @@ def run_benchmark(
         raise FlyspecError("no prompts to benchmark")
     if repeats < 1:
         raise FlyspecError(f"repeats must be >= 1, got {repeats}")
-    methods = [
-        make_method(name, engine, config, llamacpp_engine=llamacpp_engine) for name in method_names
-    ]
     tokenizer = (engine or llamacpp_engine).tokenizer
     prompt_ids = encode_prompts(tokenizer, prompts)
     seed = config.sampling.seed
+    failures = MethodFailures(baseline)
+    longest = max(len(ids) for ids in prompt_ids) + config.max_new_tokens
+    methods = []
+    for name in method_names:
+        with failures.catch(name, during="loading"):
+            methods.append(
+                make_method(name, engine, config, llamacpp_engine=llamacpp_engine, longest=longest)
+            )
 
     def sample_seed(index: int) -> int | None:
         return None if seed is None else seed + index
@@ -79,7 +85,8 @@ def run_benchmark(
     if warmup:
         warmup_tokens = min(config.max_new_tokens, 2 * (config.k + 1))
         for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress):
-            method.run(prompt_ids[0], max_new_tokens=warmup_tokens, seed=sample_seed(0))
+            with failures.catch(method.name, during="the warm-up"):
+                method.run(prompt_ids[0], max_new_tokens=warmup_tokens, seed=sample_seed(0))
 
     # runs[name][repeat][prompt]; each repeat runs every method once per prompt, the order
     # rotated by one method per repeat so that no method always runs first after another.
@@ -98,26 +105,31 @@ def run_benchmark(
             with CpuMonitor() as monitor:
                 for index, ids in enumerate(prompt_ids):
                     for method in order:
+                        bar.update()
+                        if method.name in failures:
+                            continue
                         bar.set_postfix_str(
                             f"{repeat + 1}/{repeats} {prompts[index].id} {method.name}",
                             refresh=False,
                         )
-                        runs[method.name][repeat].append(
-                            measured_run(
-                                method,
-                                ids,
-                                max_new_tokens=config.max_new_tokens,
-                                seed=sample_seed(index),
+                        with failures.catch(method.name, during=f"prompt {prompts[index].id}"):
+                            runs[method.name][repeat].append(
+                                measured_run(
+                                    method,
+                                    ids,
+                                    max_new_tokens=config.max_new_tokens,
+                                    seed=sample_seed(index),
+                                )
                             )
-                        )
-                        bar.update()
             loads.append(monitor.load)
     load = combined_load(loads)
 
     samples: dict[str, list[dict]] = {}
     summaries = []
+    methods = [method for method in methods if method.name not in failures]
+    measured_names = [method.name for method in methods]
     for method in methods:
-        reference = reference_method(method.name, method_names, baseline)
+        reference = reference_method(method.name, measured_names, baseline)
         records = [
             record
             for repeat in range(repeats)
@@ -175,12 +187,45 @@ def run_benchmark(
         "machine_load": load.as_dict(),
         "machine_load_per_repeat": [one.as_dict() for one in loads],
         "methods": summaries,
+        "failed_methods": failures.as_list(),
         "prompts": [prompt.as_dict() for prompt in prompts],
         "samples": samples,
     }
 
 
 LLAMACPP_BASELINE = "llamacpp-target"
+
+
+class MethodFailures:
+    """The methods that failed, each with a one-line reason: a failing method is dropped and
+    the run goes on, except the baseline, which every speedup needs (its failure ends the run
+    with that reason)."""
+
+    def __init__(self, baseline: str) -> None:
+        self.baseline = baseline
+        self.reasons: dict[str, str] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reasons
+
+    @contextlib.contextmanager
+    def catch(self, name: str, *, during: str) -> Iterator[None]:
+        try:
+            yield
+        except FlyspecError as error:
+            self._failed(name, during, str(error))
+        except Exception as error:  # a method's engine may fail in any way: keep the others
+            self._failed(name, during, f"{type(error).__name__}: {error}")
+
+    def _failed(self, name: str, during: str, reason: str) -> None:
+        reason = " ".join(reason.split())  # one line
+        if name == self.baseline:
+            raise FlyspecError(f"the baseline {name} failed during {during}: {reason}")
+        print(f"flyspec: {name} failed during {during}: {reason}", file=sys.stderr)
+        self.reasons[name] = f"failed during {during}: {reason}"
+
+    def as_list(self) -> list[dict]:
+        return [{"method": name, "reason": reason} for name, reason in self.reasons.items()]
 
 
 def reference_method(name: str, method_names: Sequence[str], baseline: str) -> str:
@@ -208,6 +253,8 @@ def console_notes(report: dict) -> list[str]:
     unstable = unstable_line(report["methods"])
     if unstable:
         notes.append(f"warning: {unstable}")
+    for failure in report.get("failed_methods") or []:
+        notes.append(f"warning: {failure['method']} {failure['reason']}")
     return notes
 
 

@@ -141,16 +141,20 @@ class SampleRun:
     stats: RequestStats | None = None
     peak_rss_bytes: int = 0  # the process and its children while the prompt ran
     state_bytes: int = 0  # KV caches after the prompt (flyspec's methods)
+    touched_bytes: int = 0  # the memory the run itself read or wrote (its own)
 
 
 def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
     """``method.run(prompt_ids, **settings)`` with the peak resident memory of this process
-    and its children (a vLLM engine's) while it ran."""
-    from flyspec.memory import PeakRss
+    and its children (a vLLM engine's) while it ran, and the resident memory the run touched:
+    the method's own (its models, caches and buffers), apart from the other methods' models
+    loaded in the same process (:func:`flyspec.memory.touched_bytes`)."""
+    from flyspec.memory import PeakRss, forget_touched, touched_bytes
 
+    forget_touched()
     with PeakRss() as watch:
         run = method.run(prompt_ids, **settings)
-    return replace(run, peak_rss_bytes=watch.peak_bytes)
+    return replace(run, peak_rss_bytes=watch.peak_bytes, touched_bytes=touched_bytes())
 
 
 class BenchMethod(Protocol):
@@ -303,7 +307,12 @@ class LlamaCppOwnMethod:
     """llama.cpp's own decoding through its binding's ``Llama.generate`` on the target's GGUF
     file: greedy or sampled plain decoding (``llamacpp-target``), or the binding's prompt-lookup
     speculative decoding with ``K`` proposed tokens (``llamacpp-lookup``). The state is reset
-    before every prompt, so no method reuses another prompt's cache."""
+    before every prompt, so no method reuses another prompt's cache.
+
+    The lookup keeps logits for every position of its context (1.2 GB at 2048 positions of
+    the default target), so its context is sized to what the longest prompt needs: ``longest``
+    positions and a block of K + 1; a generation that would still run out of it stops with a
+    FlyspecError instead of overrunning the binding's buffers."""
 
     def __init__(
         self,
@@ -314,18 +323,29 @@ class LlamaCppOwnMethod:
         context: int,
         eos_token_ids: Collection[int],
         config: DecodeConfig,
+        longest: int | None = None,
     ) -> None:
-        from flyspec.models.llamacpp import default_threads, require_llamacpp
+        from flyspec.models.llamacpp import default_threads
+        from flyspec.models.llamacpp_binding import require_llamacpp
 
         llama_cpp = require_llamacpp()
         draft_model = None
+        self.block = 1
         if name == "llamacpp-lookup":
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft_model = LlamaPromptLookupDecoding(
                 max_ngram_size=config.max_ngram, num_pred_tokens=config.k
             )
-            context = min(context, 2048)  # it keeps every position's logits: 1.2 GB at 2048
+            self.block = config.k + 1
+            needed = (longest or min(context, 2048)) + self.block
+            if needed > context:
+                raise FlyspecError(
+                    f"{name} needs a context of {needed} positions (the longest prompt, its "
+                    f"new tokens and a block of {self.block}); llama.cpp's is {context}: "
+                    "raise --llamacpp-context"
+                )
+            context = needed
         threads = threads or default_threads()
         self.name = name
         self.weights = Path(gguf).name
@@ -335,6 +355,10 @@ class LlamaCppOwnMethod:
             n_threads=threads,
             n_threads_batch=threads,
             draft_model=draft_model,
+            # The binding decodes with every position's logits once it has a draft model but
+            # sizes its buffer for them by this flag alone: without it, a prompt longer than
+            # one batch overruns the buffer.
+            logits_all=draft_model is not None,
             verbose=False,
         )
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -368,13 +392,26 @@ class LlamaCppOwnMethod:
             tokens.append(int(token))
             if len(tokens) == max_new_tokens:
                 break
+            if self.llama.n_tokens + self.block > self.llama.n_ctx():
+                raise FlyspecError(
+                    f"{self.name} ran out of its context of {self.llama.n_ctx()} positions "
+                    f"after {len(tokens)} new tokens (the binding holds {self.llama.n_tokens})"
+                )
         seconds = time.perf_counter() - started
         return SampleRun(tokens, seconds)
 
 
-def make_method(name: str, engine, config: DecodeConfig, *, llamacpp_engine=None) -> BenchMethod:
+def make_method(
+    name: str,
+    engine,
+    config: DecodeConfig,
+    *,
+    llamacpp_engine=None,
+    longest: int | None = None,
+) -> BenchMethod:
     """The method ``name`` on ``engine`` (flyspec's and transformers'), or on
-    ``llamacpp_engine`` (the ``llamacpp-*`` methods: the same pair's GGUF files)."""
+    ``llamacpp_engine`` (the ``llamacpp-*`` methods: the same pair's GGUF files). ``longest``:
+    the most positions a prompt and its new tokens take (what a context must hold)."""
     base = method_base(name)
     if base in LLAMACPP_METHODS:
         if llamacpp_engine is None:
@@ -388,6 +425,7 @@ def make_method(name: str, engine, config: DecodeConfig, *, llamacpp_engine=None
                 context=lm.context_length,
                 eos_token_ids=llamacpp_engine.decoder.eos_token_ids,
                 config=config,
+                longest=longest,
             )
         return FlyspecMethod(name, llamacpp_engine, config)
     if base in FLYSPEC_METHODS:

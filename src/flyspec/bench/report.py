@@ -111,6 +111,7 @@ def summarise_method(
         "unstable_prompts": unstable_prompts(samples),
         "identical_to_target": sum(1 for s in samples if s["identical_to_target"]),
         "peak_rss_bytes": max((s.get("peak_rss_bytes", 0) for s in samples), default=0),
+        "touched_bytes": max((s.get("touched_bytes", 0) for s in samples), default=0),
         "state_bytes_longest_prompt": max(
             samples, key=lambda s: s.get("prompt_tokens", 0) + s["new_tokens"], default={}
         ).get("state_bytes", 0),
@@ -185,6 +186,7 @@ def sample_records(
             repeat=repeat,
             peak_rss_bytes=run.peak_rss_bytes,
             state_bytes=run.state_bytes,
+            touched_bytes=run.touched_bytes,
         )
         for index, run in enumerate(runs)
     ]
@@ -202,11 +204,13 @@ def sample_record(
     repeat: int = 0,
     peak_rss_bytes: int = 0,
     state_bytes: int = 0,
+    touched_bytes: int = 0,
 ) -> dict:
     divergence = first_divergence(token_ids, target_token_ids)
     return {
         "peak_rss_bytes": peak_rss_bytes,
         "state_bytes": state_bytes,
+        "touched_bytes": touched_bytes,
         "prompt_id": prompt_id,
         "repeat": repeat,
         "prompt_tokens": prompt_tokens,
@@ -269,9 +273,9 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     )
     header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
-        f"| verifying s | = {baseline} | peak RSS GiB |"
+        f"| verifying s | = {baseline} | own memory GiB | process peak GiB |"
     )
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if over_llamacpp:
         header += " over llamacpp-target |"
         rule += "---:|"
@@ -292,6 +296,7 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
             _cell(s.get("verify_seconds"), ".1f"),
             f"{s['identical_to_target']}/{s['samples']}"
             + ("" if s.get("identical_to", baseline) == baseline else f" ({s['identical_to']})"),
+            _cell(gib(s["touched_bytes"]) if s.get("touched_bytes") else None, ".2f"),
             _cell(gib(s["peak_rss_bytes"]) if s.get("peak_rss_bytes") else None, ".2f"),
         ]
         if over_llamacpp:
@@ -323,10 +328,16 @@ def markdown_report(report: Mapping) -> str:
         "accepted / loosely: exact and loose acceptances per drafted token. "
         f"= {baseline}: outputs identical to {baseline}'s, token for token"
         + ("" if baseline == "target" else " (flyspec's methods: to flyspec's target)")
-        + ". transformers' methods (hf-*) report speed only. peak RSS: the most resident "
-        "memory of flyspec's process and its children (a vLLM engine's) while the method ran; "
-        "flyspec's methods share one process and one loaded pair.",
+        + ". transformers' methods (hf-*) report speed only. own memory: the resident memory "
+        "a run of the method read or wrote (its models, caches and buffers; Linux's "
+        "referenced pages, cleared before each run), its largest over the prompts. process "
+        "peak: the most resident memory of flyspec's process and its children (a vLLM "
+        "engine's) while the method ran, every method's models included.",
     ]
+    failed = report.get("failed_methods") or []
+    if failed:
+        lines += ["", "Methods that failed (no figures; the others ran on):", ""]
+        lines += [f"- {failure['method']}: {failure['reason']}" for failure in failed]
     repeats = config.get("repeats", 1)
     if repeats > 1:
         lines += [

@@ -304,7 +304,7 @@ def _finish(args: argparse.Namespace, report: dict, output: Path) -> int:
 
         print(format_comparison(read_bench(args.compare), report, old_name=args.compare))
     print(f"wrote {', '.join(files)} to {output}", file=sys.stderr)
-    return 0
+    return 1 if report.get("failed_methods") else 0
 
 
 def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:

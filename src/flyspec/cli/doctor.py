@@ -1,7 +1,7 @@
 """``flyspec doctor``: what runs on this machine and what does not, each with its fix.
 
 It loads no model: the llama.cpp line comes from the decode check in a child process
-(:mod:`flyspec.models.llamacpp_check`), kept once per binding build and CPU.
+(:mod:`flyspec.models.llamacpp_binding`), kept once per binding build and CPU.
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ def check_kernels() -> Finding:
 
 def check_llamacpp(*, recheck: bool = False) -> Finding:
     from flyspec.errors import FlyspecError
-    from flyspec.models.llamacpp import llamacpp_version
-    from flyspec.models.llamacpp_check import check_decoding, rebuild_command
+    from flyspec.models.llamacpp_binding import check_decoding, llamacpp_version, rebuild_command
 
     if importlib.util.find_spec("llama_cpp") is None:
         return Finding(

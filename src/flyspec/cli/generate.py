@@ -242,7 +242,7 @@ def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
     target's GGUF file is known (the llama.cpp backend's, or the default pair's when
     installed); else None."""
     from flyspec.bench.methods import LlamaCppOwnMethod
-    from flyspec.models.llamacpp import llamacpp_version
+    from flyspec.models.llamacpp_binding import llamacpp_version
 
     if llamacpp_version() is None:
         return None

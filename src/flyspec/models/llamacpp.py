@@ -22,46 +22,13 @@ import torch
 from flyspec.config import LlamaCppConfig
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import common_prefix_length
+from flyspec.models.llamacpp_binding import (
+    ensure_llamacpp_decodes,
+    llamacpp_version,
+    require_llamacpp,
+)
 
-LLAMACPP_PACKAGE = "llama-cpp-python"
 _BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in slices)
-
-
-def require_llamacpp():
-    """The ``llama_cpp`` module, or a one-line FlyspecError saying how to install it."""
-    try:
-        import llama_cpp
-    except ImportError as error:
-        raise FlyspecError(
-            f"the llama.cpp backend needs {LLAMACPP_PACKAGE} ({error}): pip install "
-            "'flyspec[llamacpp]' (it builds llama.cpp from source: cmake and a C++ compiler, "
-            "about 20 minutes on 2 cores), or scripts/setup.sh --llamacpp"
-        ) from None
-    return llama_cpp
-
-
-def llamacpp_version() -> str | None:
-    """The installed binding's version (None when it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(LLAMACPP_PACKAGE)
-    except PackageNotFoundError:
-        return None
-
-
-def llamacpp_requirement() -> str:
-    """The binding flyspec's ``llamacpp`` extra pins, e.g. ``llama-cpp-python==0.3.36``."""
-    from importlib.metadata import PackageNotFoundError, requires
-
-    try:
-        pinned = requires("flyspec") or []
-    except PackageNotFoundError:
-        pinned = []
-    for requirement in pinned:
-        if requirement.startswith(LLAMACPP_PACKAGE):
-            return requirement.split(";")[0].strip()
-    return LLAMACPP_PACKAGE
 
 
 def default_threads() -> int:
@@ -78,7 +45,7 @@ class LlamaCppLM:
     slices of 512 for a long prompt), and logits come back for the last ``num_logits`` only.
 
     ``check_binding``: first make sure, in a child process, that the binding can decode on
-    this CPU (:mod:`flyspec.models.llamacpp_check`; once per build and machine), so that a
+    this CPU (:mod:`flyspec.models.llamacpp_binding`; once per build and machine), so that a
     binding that would crash stops with a one-line error instead.
     """
 
@@ -99,8 +66,6 @@ class LlamaCppLM:
         if context < 16:
             raise FlyspecError(f"the llama.cpp context must be at least 16 tokens, got {context}")
         if check_binding:
-            from flyspec.models.llamacpp_check import ensure_llamacpp_decodes
-
             ensure_llamacpp_decodes()
         self.path = path
         self.threads = threads or default_threads()

@@ -1,4 +1,5 @@
-"""Whether the installed llama.cpp binding can decode on this CPU, found out in a child process.
+"""llama.cpp's Python binding: whether it is installed, which, and whether it can decode on
+this CPU, found out in a child process.
 
 A binding built for a CPU feature that the machine announces but does not run (seen: AMX on a
 2-core Xeon whose first tile instruction faulted) takes the whole process down inside
@@ -9,7 +10,8 @@ decodes one token, then 16. Its verdict is kept under ``$FLYSPEC_HOME/llamacpp-c
 by the binding's build (its libraries' sizes and times) and the CPU, so the check runs once per
 build and machine.
 
-``python -m flyspec.models.llamacpp_check`` prints the verdict (``--recheck``: a fresh one)
+The child's work is :mod:`flyspec.models.llamacpp_probe`.
+``python -m flyspec.models.llamacpp_binding`` prints the verdict (``--recheck``: a fresh one)
 and exits 1 where the binding cannot decode.
 """
 
@@ -22,26 +24,57 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
 from flyspec.models.home import flyspec_home
 
+LLAMACPP_PACKAGE = "llama-cpp-python"
 CHECK_SECONDS = 300
 """How long the child may take (a few seconds where all is well)."""
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
-_HIDDEN, _FFN, _HEADS, _KV_HEADS, _VOCAB = 256, 512, 4, 2, 300
-"""The tiny model: rows of 256 (a K-quant's block) so that every weight is quantised."""
-_LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+
+def require_llamacpp():
+    """The ``llama_cpp`` module, or a one-line FlyspecError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise FlyspecError(
+            f"the llama.cpp backend needs {LLAMACPP_PACKAGE} ({error}): pip install "
+            "'flyspec[llamacpp]' (it builds llama.cpp from source: cmake and a C++ compiler, "
+            "about 20 minutes on 2 cores), or scripts/setup.sh --llamacpp"
+        ) from None
+    return llama_cpp
+
+
+def llamacpp_version() -> str | None:
+    """The installed binding's version (None when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(LLAMACPP_PACKAGE)
+    except PackageNotFoundError:
+        return None
+
+
+def llamacpp_requirement() -> str:
+    """The binding flyspec's ``llamacpp`` extra pins, e.g. ``llama-cpp-python==0.3.36``."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        pinned = requires("flyspec") or []
+    except PackageNotFoundError:
+        pinned = []
+    for requirement in pinned:
+        if requirement.startswith(LLAMACPP_PACKAGE):
+            return requirement.split(";")[0].strip()
+    return LLAMACPP_PACKAGE
 
 
 def rebuild_command() -> str:
     """The command that rebuilds the binding for this CPU without AMX."""
-    from flyspec.models.llamacpp import llamacpp_requirement
-
     return (
         f"scripts/install_llamacpp.sh .venv in a flyspec checkout, or CFLAGS='{NO_AMX_FLAGS}' "
         f"CXXFLAGS='{NO_AMX_FLAGS}' pip install --force-reinstall --no-deps --no-cache-dir "
@@ -86,8 +119,6 @@ def cpu_identity() -> tuple[str, str]:
 def binding_build() -> tuple[str, str]:
     """The binding's version and a fingerprint of its build: its shared libraries' names,
     sizes and modification times."""
-    from flyspec.models.llamacpp import llamacpp_version, require_llamacpp
-
     package = Path(require_llamacpp().__file__).parent
     parts = [
         f"{lib.relative_to(package)}|{lib.stat().st_size}|{lib.stat().st_mtime_ns}"
@@ -129,11 +160,9 @@ def ensure_llamacpp_decodes(home: Path | None = None) -> None:
 
 
 def _run_child() -> DecodeCheck:
-    from flyspec.models.llamacpp import llamacpp_version
-
     name, _ = cpu_identity()
     binding = f"llama-cpp-python {llamacpp_version()}"
-    command = [sys.executable, "-m", "flyspec.models.llamacpp_check", "--child"]
+    command = [sys.executable, "-m", "flyspec.models.llamacpp_probe"]
     try:
         child = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_SECONDS)
     except subprocess.TimeoutExpired:
@@ -149,113 +178,13 @@ def _run_child() -> DecodeCheck:
     return DecodeCheck(False, detail, binding, name)
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
-    """A one-layer qwen2 model of random float32 weights with a byte-level vocabulary of
-    :data:`_VOCAB` tokens, as a GGUF file."""
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    head_dim = _HIDDEN // _HEADS
-
-    def weight(rows: int, columns: int) -> np.ndarray:
-        return (rng.standard_normal((rows, columns)) / np.sqrt(columns)).astype(np.float32)
-
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name("flyspec-decode-check")
-    writer.add_block_count(1)
-    writer.add_context_length(256)
-    writer.add_embedding_length(_HIDDEN)
-    writer.add_feed_forward_length(_FFN)
-    writer.add_head_count(_HEADS)
-    writer.add_head_count_kv(_KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    byte_tokens = _byte_level_spellings()
-    tokens = byte_tokens + [f"<extra_{i}>" for i in range(_VOCAB - len(byte_tokens) - 1)]
-    tokens.append("<|endoftext|>")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (_VOCAB - 1) + [3])  # 3: a control token
-    writer.add_token_merges([f"{byte_tokens[32]} {byte_tokens[32]}"])
-    writer.add_eos_token_id(_VOCAB - 1)
-    ones = np.ones(_HIDDEN, dtype=np.float32)
-    kv = _KV_HEADS * head_dim
-    tensors = {
-        "token_embd.weight": weight(_VOCAB, _HIDDEN),
-        "output_norm.weight": ones,
-        "output.weight": weight(_VOCAB, _HIDDEN),
-        "blk.0.attn_norm.weight": ones,
-        "blk.0.attn_q.weight": weight(_HIDDEN, _HIDDEN),
-        "blk.0.attn_q.bias": np.zeros(_HIDDEN, dtype=np.float32),
-        "blk.0.attn_k.weight": weight(kv, _HIDDEN),
-        "blk.0.attn_k.bias": np.zeros(kv, dtype=np.float32),
-        "blk.0.attn_v.weight": weight(kv, _HIDDEN),
-        "blk.0.attn_v.bias": np.zeros(kv, dtype=np.float32),
-        "blk.0.attn_output.weight": weight(_HIDDEN, _HIDDEN),
-        "blk.0.ffn_norm.weight": ones,
-        "blk.0.ffn_gate.weight": weight(_FFN, _HIDDEN),
-        "blk.0.ffn_up.weight": weight(_FFN, _HIDDEN),
-        "blk.0.ffn_down.weight": weight(_HIDDEN, _FFN),
-    }
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _byte_level_spellings() -> list[str]:
-    """The 256 byte-level BPE symbols: printable Latin-1 bytes stand for themselves, the
-    others for the code points from 256 up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    spelling, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            spelling[byte] = chr(byte)
-        else:
-            spelling[byte] = chr(256 + extra)
-            extra += 1
-    return [spelling[byte] for byte in range(256)]
-
-
-def _child() -> None:
-    """Quantise a tiny model with the binding, decode 1 then 16 tokens, check the logits."""
-    import numpy as np
-
-    from flyspec.models.llamacpp import LlamaCppLM, require_llamacpp
-
-    llama_cpp = require_llamacpp()
-    with tempfile.TemporaryDirectory(prefix="flyspec-llamacpp-check-") as folder:
-        source = write_tiny_gguf(Path(folder) / "tiny-f32.gguf")
-        quantised = Path(folder) / "tiny-q4_k_m.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = _LLAMA_FTYPE_MOSTLY_Q4_K_M
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(quantised).encode(), params):
-            raise SystemExit("llama_model_quantize failed")
-        lm = LlamaCppLM(quantised, context=64, check_binding=False)
-        prompt = list(range(40, 57))
-        one = lm.logits(prompt[:2], 1)
-        block = lm.logits(prompt, 16)
-        if not (np.isfinite(one.numpy()).all() and np.isfinite(block.numpy()).all()):
-            raise SystemExit("the logits are not finite")
-        lm.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flyspec.models.llamacpp_check",
+        prog="python -m flyspec.models.llamacpp_binding",
         description="Check that llama.cpp's binding decodes on this CPU.",
     )
     parser.add_argument("--recheck", action="store_true", help="check anew, not from the record")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        _child()
-        return 0
     try:
         verdict = check_decoding(recheck=args.recheck)
     except FlyspecError as error:
