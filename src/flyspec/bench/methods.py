@@ -326,9 +326,10 @@ class LlamaCppOwnMethod:
         longest: int | None = None,
     ) -> None:
         from flyspec.models.llamacpp import default_threads
-        from flyspec.models.llamacpp_binding import require_llamacpp
+        from flyspec.models.llamacpp_binding import ensure_llamacpp_decodes, require_llamacpp
 
         llama_cpp = require_llamacpp()
+        ensure_llamacpp_decodes()
         draft_model = None
         self.block = 1
         if name == "llamacpp-lookup":

@@ -257,14 +257,18 @@ def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
         path = gguf_path(DEFAULT_TARGET)
     else:
         return None
-    return LlamaCppOwnMethod(
-        "llamacpp-target",
-        gguf=path,
-        threads=args.llamacpp_threads,
-        context=args.llamacpp_context,
-        eos_token_ids=engine.decoder.eos_token_ids,
-        config=config,
-    )
+    try:
+        return LlamaCppOwnMethod(
+            "llamacpp-target",
+            gguf=path,
+            threads=args.llamacpp_threads,
+            context=args.llamacpp_context,
+            eos_token_ids=engine.decoder.eos_token_ids,
+            config=config,
+        )
+    except FlyspecError as error:  # the comparison with llama.cpp is a bonus: say why not
+        print(f"flyspec: warning: llama.cpp's line left out: {error}", file=sys.stderr)
+        return None
 
 
 def read_prompt(argument: str) -> str:
