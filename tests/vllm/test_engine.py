@@ -27,6 +27,7 @@ from flyspec.config import FlyConfig
 from flyspec.integrations.vllm import additional_config
 from flyspec.integrations.vllm.launch import VllmEngineSpec, engine_environment
 from flyspec.models import default_pair_paths, load_tokenizer
+from tests.vllm.cpu import needs_avx512
 
 K = 15
 MAX_TOKENS = 128
@@ -94,11 +95,13 @@ def greedy_runs(prompts_ids) -> dict[str, EngineRun]:
     }
 
 
+@needs_avx512
 def test_the_plugin_path_without_loosening_equals_vllm(greedy_runs):
     assert greedy_runs["never"].outputs == greedy_runs["standard"].outputs
     assert greedy_runs["never"].stats.loosely_accepted == 0
 
 
+@needs_avx512
 def test_fly_accepts_more_and_counts_what_it_loosened(greedy_runs):
     standard, fly = greedy_runs["standard"].stats, greedy_runs["fly"].stats
     assert fly.loosely_accepted > 0
@@ -108,6 +111,7 @@ def test_fly_accepts_more_and_counts_what_it_loosened(greedy_runs):
     assert standard.loosely_accepted == 0
 
 
+@needs_avx512
 def test_mixed_temperatures_keep_every_token_inside_top_k(prompts_ids):
     """Eight requests, greedy and sampled at several temperatures, top-k 5, in one batch:
     every token a sampled request emits is among the target's 5 most likely, so none has
@@ -196,6 +200,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@needs_avx512
 def test_serve_answers_an_openai_chat_request_and_publishes_the_count(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
@@ -256,6 +261,7 @@ def test_serve_answers_an_openai_chat_request_and_publishes_the_count(tmp_path):
             server.wait()
 
 
+@needs_avx512
 def test_fly_runs_with_the_ngram_proposer(prompts_ids):
     """Prompt-lookup drafts (no draft model, variable-length proposals): greedy and sampled
     requests complete with FLy on, and the speculative rounds ran."""

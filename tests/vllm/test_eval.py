@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 from flyspec.cli import main
+from tests.vllm.cpu import needs_avx512
 
 
+@needs_avx512
 def test_eval_through_vllm_scores_caches_and_reports(tmp_path, capsys):
     arguments = [
         "eval",
