@@ -40,7 +40,7 @@ def machine_identity() -> dict:
     version and threads, and flyspec's version and commit."""
     import torch
 
-    cpu = _cpuinfo()
+    cpu = cpuinfo()
     flags = set(cpu.get("flags", "").split())
     return {
         "cpu_model": cpu.get("model name") or platform.processor() or None,
@@ -221,7 +221,7 @@ def _load_average() -> float | None:
         return None
 
 
-def _cpuinfo() -> dict[str, str]:
+def cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ({} elsewhere)."""
     fields: dict[str, str] = {}
     try:

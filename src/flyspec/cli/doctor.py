@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -42,9 +41,10 @@ def add_parser(commands) -> None:
 def run_doctor(args: argparse.Namespace) -> int:
     from flyspec.machine import describe_machine, machine_identity
 
-    print(f"flyspec doctor on {describe_machine(machine_identity())}")
+    identity = machine_identity()
+    print(f"flyspec doctor on {describe_machine(identity)}")
     checks: list[Callable[[], Finding]] = [
-        check_torch,
+        lambda: check_torch(identity),
         check_kernels,
         lambda: check_llamacpp(recheck=args.recheck),
         check_vllm,
@@ -62,17 +62,20 @@ def run_doctor(args: argparse.Namespace) -> int:
     return 1 if any(finding.status == "fails" for finding in findings) else 0
 
 
-def check_torch() -> Finding:
+def check_torch(identity: dict) -> Finding:
+    """Torch's build and its threads against the cores (``identity``:
+    :func:`flyspec.machine.machine_identity`)."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = identity["usable_cores"] or identity["cores"]
+    threads = identity["torch_threads"]
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     detail = (
-        f"torch {torch.__version__} ({build}, {gpus} GPU(s) usable), "
-        f"{torch.get_num_threads()} threads on {cores} cores"
+        f"torch {identity['torch']} ({build}, {gpus} GPU(s) usable), "
+        f"{threads} threads on {cores} cores"
     )
-    if torch.get_num_threads() > cores:
+    if threads > cores:
         return Finding(
             "torch",
             "fails",

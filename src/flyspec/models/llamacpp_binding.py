@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
+from flyspec.machine import cpuinfo
 from flyspec.models.home import flyspec_home
 
 LLAMACPP_PACKAGE = "llama-cpp-python"
@@ -102,18 +103,8 @@ class DecodeCheck:
 
 def cpu_identity() -> tuple[str, str]:
     """The CPU's model name and its feature flags (what a native build depends on)."""
-    name, flags = platform.machine(), ""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name == platform.machine():
-            name = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags:
-            flags = value.strip()
-    return name, flags
+    cpu = cpuinfo()
+    return cpu.get("model name") or platform.machine(), cpu.get("flags") or cpu.get("Features", "")
 
 
 def binding_build() -> tuple[str, str]:
