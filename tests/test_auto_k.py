@@ -154,8 +154,8 @@ def test_auto_spd_emits_the_targets_greedy_tokens(tiny_decoder):
     config = DecodeConfig(mode="spd", k=6, auto_k=True, max_new_tokens=128)
     stats_tokens = list(tiny_decoder.stream(prompt, config))
     assert [e.token for e in stats_tokens] == target
-    assert tiny_decoder.block_costs is not None
-    assert set(probe_sizes(7)) <= set(tiny_decoder.block_costs.seconds)
+    assert tiny_decoder.auto_k.block_costs is not None
+    assert set(probe_sizes(7)) <= set(tiny_decoder.auto_k.block_costs.seconds)
 
 
 def test_auto_fly_stays_within_its_largest_block_and_budget(tiny_decoder):
@@ -224,8 +224,8 @@ def test_a_deferral_is_learnt_as_settled():
 
 def target_drafting_for_itself(decoder: SpeculativeDecoder, k: int) -> None:
     """Forward costs of a memory-bound machine with a nearly free draft: -k auto drafts."""
-    decoder.block_costs = ForwardCosts({n: 0.01 for n in probe_sizes(k + 1)})
-    decoder.draft_token_seconds = 1e-4
+    decoder.auto_k.block_costs = ForwardCosts({n: 0.01 for n in probe_sizes(k + 1)})
+    decoder.auto_k.draft_token_seconds = 1e-4
 
 
 def test_a_draft_that_has_caught_up_is_not_fed_again():
@@ -296,9 +296,9 @@ def test_under_auto_a_deferred_window_can_be_confirmed():
 
     decoder = SpeculativeDecoder(model, model)
     target_drafting_for_itself(decoder, k=4)
-    key = (config.mode, config.drafter, config.k, fly)
-    decoder.auto_policies[key] = ScriptedPreference(
-        max_k=4, costs=decoder.block_costs, window=3, defer=True
+    key = (config.mode, config.drafter, config.k, fly, "model")
+    decoder.auto_k.policies[key] = ScriptedPreference(
+        max_k=4, costs=decoder.auto_k.block_costs, window=3, defer=True
     )
     stats = RequestStats()
     tokens = [e.token for e in decoder.stream(prompt, config, stats=stats, drafter=SpoilThird())]
@@ -335,7 +335,7 @@ def test_the_cost_probe_stays_within_the_context():
     config = DecodeConfig(mode="fly", k=15, auto_k=True, max_new_tokens=12, fly=FlyConfig())
     prompt = [(7 * i) % 90 + 4 for i in range(20)]
     assert len(list(decoder.stream(prompt, config))) == 12
-    assert max(decoder.block_costs.seconds) == 12
+    assert max(decoder.auto_k.block_costs.seconds) == 12
 
 
 def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):

@@ -207,6 +207,41 @@ def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
     assert "tokens in" in err.splitlines()[-1]
 
 
+def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pair, tmp_path):
+    exact = ("--mode", "spd", "--drafter", "ngram", "--max-new-tokens", "16", "--json")
+    plain = json.loads(generate_on_tiny_pair(capsys, tiny_pair, *exact)[1])
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text(plain["text"], encoding="utf-8")
+    code, out, err = generate_on_tiny_pair(
+        capsys, tiny_pair, *exact, "--prediction", str(prediction)
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["token_ids"] == plain["token_ids"]
+    assert result["stats"]["accepted_prediction_tokens"] > 0
+    code, _, err = generate_on_tiny_pair(
+        capsys, tiny_pair, "--mode", "spd", "--max-new-tokens", "4", "--prediction", str(prediction)
+    )
+    assert code == 0 and "of its drafted tokens kept" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [(None, "cannot read the prediction file"), (b"", "is empty"), (b"\xff", "not valid UTF-8")],
+)
+def test_bad_prediction_files_are_one_line_errors(capsys, tmp_path, content, fragment):
+    path = tmp_path / "prediction.txt"
+    if content is not None:
+        path.write_bytes(content)
+    code, _, err = run_cli(capsys, "generate", "x", "--prediction", str(path))
+    assert_one_line_error(code, err, fragment)
+
+
+def test_prompt_and_prediction_cannot_both_come_from_standard_input(capsys):
+    code, _, err = run_cli(capsys, "generate", "-", "--prediction", "-")
+    assert_one_line_error(code, err, "cannot both be read from standard input")
+
+
 @pytest.mark.parametrize("data", [b"def \xff", b"def \xc3", b"\xed\xa0\x80"])
 def test_invalid_utf8_on_standard_input_is_a_one_line_error(capsys, monkeypatch, data):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))

@@ -104,4 +104,4 @@ def test_fly_and_auto_k_run_on_the_real_pair(engine):
     assert fly.stats.tau > 1
     auto = engine.generate(ids, DecodeConfig(mode="fly", auto_k=True, max_new_tokens=24))
     assert 0 < len(auto.token_ids) <= 24
-    assert engine.decoder.block_costs is not None
+    assert engine.decoder.auto_k.block_costs is not None

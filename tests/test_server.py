@@ -220,6 +220,7 @@ class ScriptedEngine:
         *,
         stats: RequestStats | None = None,
         should_stop=None,
+        prediction=None,
     ):
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
@@ -740,7 +741,7 @@ def test_serve_command_line():
 class ThreadRecordingEngine(ScriptedEngine):
     """A :class:`ScriptedEngine` that records the thread each generation runs on."""
 
-    def stream(self, prompt_ids, config, *, stats=None, should_stop=None):
+    def stream(self, prompt_ids, config, *, stats=None, should_stop=None, prediction=None):
         self.threads.append(threading.get_ident())
         yield from super().stream(prompt_ids, config, stats=stats, should_stop=should_stop)
 
@@ -767,3 +768,131 @@ def test_generations_run_on_the_thread_that_loaded_the_engine(tiny_engine):
     assert engine.threads == [loader, loader]
     assert executor.submit(threading.get_ident).result() == loader  # still open
     executor.shutdown()
+
+
+# ------------------------------------------------------------------ Predicted Outputs
+
+EXACT = {"mode": "spd", "drafter": "ngram", "k": 6}
+
+
+def test_openai_client_prediction_round_trip(oai):
+    """Exact decoding with a prediction gives the text it gives without one; the usage says
+    how many predicted tokens were kept, streamed and not, on both endpoints."""
+    plain = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=EXACT
+    )
+    text = plain.choices[0].text
+    assert text and plain.usage.completion_tokens_details is None
+    predicted = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={**EXACT, "prediction": {"type": "content", "content": text}},
+    )
+    assert predicted.choices[0].text == text
+    details = predicted.usage.completion_tokens_details
+    # The text, tokenized again, need not give the generated tokens (tests/test_prediction.py
+    # pins a prediction of the very tokens): most are kept all the same.
+    assert details.accepted_prediction_tokens > details.rejected_prediction_tokens
+    speculative = predicted.model_extra["speculative"]
+    assert details.accepted_prediction_tokens <= speculative["accepted"]
+
+    stream = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        extra_body={**EXACT, "prediction": {"type": "content", "content": text}},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == text
+    streamed = chunks[-1].usage.completion_tokens_details
+    assert streamed.accepted_prediction_tokens == details.accepted_prediction_tokens
+
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, extra_body=EXACT
+    )
+    reply = chat.choices[0].message.content
+    parts = [{"type": "text", "text": reply[:5]}, {"type": "text", "text": reply[5:]}]
+    chat_predicted = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        prediction={"type": "content", "content": parts},
+        extra_body=EXACT,
+    )
+    assert chat_predicted.choices[0].message.content == reply
+    assert chat_predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        prediction={"type": "content", "content": reply},
+        extra_body=EXACT,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_prediction_counts_add_up_to_the_drafted_tokens(client):
+    """A prediction that is wrong from its start: its tokens are drafted and rejected, and
+    kept plus rejected is what was drafted from it."""
+    body = client.post(
+        "/v1/completions",
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 16,
+            "prediction": {"type": "content", "content": "zzzz qqqq zzzz qqqq"},
+            **EXACT,
+        },
+    ).json()
+    details = body["usage"]["completion_tokens_details"]
+    assert details["rejected_prediction_tokens"] > 0
+    speculative = body["speculative"]
+    assert (
+        details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+        <= (speculative["drafted"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("prediction", "message"),
+    [
+        ("def f(): pass", 'must be an object {"type": "content"'),
+        ({"type": "text", "content": "x"}, 'must be an object {"type": "content"'),
+        ({"content": "x"}, 'must be an object {"type": "content"'),
+        ({"type": "content", "content": ""}, "prediction.content is empty"),
+        ({"type": "content", "content": []}, "prediction.content is empty"),
+        ({"type": "content", "content": 5}, "must be a string or a list of text parts"),
+        ({"type": "content", "content": [{"type": "image"}]}, "prediction.content parts"),
+        ({"type": "content", "content": "x", "extra": 1}, "unknown field(s): extra"),
+    ],
+)
+def test_bad_predictions_are_400(client, prediction, message):
+    response = client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "prediction": prediction}
+    )
+    error = assert_error(response, 400, "prediction")
+    assert message in error["message"]
+
+
+def test_a_prediction_past_the_context_is_400(client, tiny_engine):
+    long = "fibonacci " * tiny_engine.context_length
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "max_tokens": 4,
+            "prediction": {"type": "content", "content": long},
+        },
+    )
+    error = assert_error(response, 400, "prediction")
+    assert error["code"] == "context_length_exceeded"
+    assert "does not fit" in error["message"]

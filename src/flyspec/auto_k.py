@@ -249,6 +249,37 @@ class AutoK:
         )
 
 
+@dataclass
+class AutoKPolicies:
+    """What ``-k auto`` learns, kept across requests: the target's forward costs
+    (``block_costs``), the draft model's seconds per token, and one :class:`AutoK` per set of
+    settings and kind of block (``model``, ``lookup``, ``prediction``, ... as the drafter's
+    ``plan`` names them: blocks of different kinds cost and keep differently)."""
+
+    block_costs: ForwardCosts | None = None
+    draft_token_seconds: float = 0.0
+    policies: dict[tuple, AutoK] = field(default_factory=dict)
+
+    def policy(self, config, kind: str) -> AutoK:
+        """The policy of ``config``'s settings (a :class:`~flyspec.config.DecodeConfig`) for
+        blocks of ``kind``; only blocks of the draft model cost drafting time."""
+        if self.block_costs is None:
+            raise RuntimeError("the target's forward costs are not measured yet")
+        fly = config.fly_in_force
+        key = (config.mode, config.drafter, config.k, fly, kind)
+        if key not in self.policies:
+            self.policies[key] = AutoK(
+                max_k=config.k,
+                costs=self.block_costs,
+                window=None if fly is None else fly.window,
+                defer=fly is not None and fly.defer,
+                draft_seconds=self.draft_token_seconds if kind == "model" else 0.0,
+            )
+        policy = self.policies[key]
+        policy.costs = self.block_costs
+        return policy
+
+
 def _smooth(before: float, measured: float) -> float:
     return measured if before <= 0 else (1 - COST_SMOOTHING) * before + COST_SMOOTHING * measured
 

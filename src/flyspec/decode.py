@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from flyspec.auto_k import AutoK, ForwardCosts, measure_block_costs, probe_sizes
+from flyspec.auto_k import AutoKPolicies, ForwardCosts, measure_block_costs, probe_sizes
 from flyspec.config import DecodeConfig
 from flyspec.decode_state import (
     BusyClock,
@@ -106,9 +106,7 @@ class SpeculativeDecoder:
         self.target = _language_model(target, forward_path)
         self.draft = _language_model(draft, forward_path) if draft is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_costs: ForwardCosts | None = None  # -k auto: the target's forward costs
-        self.draft_token_seconds = 0.0  # -k auto: the draft model's first one-token forward
-        self.auto_policies: dict[tuple, AutoK] = {}  # -k auto: by settings, across requests
+        self.auto_k = AutoKPolicies()  # what -k auto learns, across requests
         self.vocab_size = self.target.vocab_size
 
     def stream(
@@ -118,6 +116,7 @@ class SpeculativeDecoder:
         *,
         stats: RequestStats | None = None,
         drafter: Drafter | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> Iterator[TokenEvent]:
         """Yield committed tokens until ``max_new_tokens`` or EOS; never more.
 
@@ -125,6 +124,10 @@ class SpeculativeDecoder:
         any time (a stop string, a disconnect); nothing past that point is computed.
         ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of the built-in one
         ``config.drafter`` names (not in mode ``target``, which drafts nothing).
+        ``prediction``: token ids the answer is expected to largely repeat (Predicted
+        Outputs): blocks come from it where the answer follows it, else from the built-in
+        drafter (:class:`~flyspec.drafters.prediction.PredictionDrafter`); mode ``target``
+        drafts nothing and ignores it.
         """
         if len(prompt_ids) == 0:
             raise FlyspecError("the prompt is empty: give at least one token")
@@ -132,6 +135,10 @@ class SpeculativeDecoder:
         stats.prompt_tokens = len(prompt_ids)
         if drafter is not None and config.mode == "target":
             raise FlyspecError("mode 'target' drafts nothing: give a drafter with spd or fly")
+        if drafter is not None and prediction is not None:
+            raise FlyspecError("give a drafter or a prediction, not both")
+        if prediction is not None and len(prediction) == 0:
+            raise FlyspecError("the prediction is empty: give at least one token, or none")
         target_generator = _generator(self.target.device, config)
         own_drafter = drafter is None
         if own_drafter:
@@ -143,8 +150,11 @@ class SpeculativeDecoder:
                 draft_lm=self.draft,
                 end_tokens=self.eos_token_ids,
                 generator=draft_generator,
+                prediction=prediction,
+                prompt_length=len(prompt_ids),
             )
         observe = getattr(drafter, "observe", None)
+        plan = getattr(drafter, "plan", None)
         clock = BusyClock()
 
         self.target.reset()
@@ -157,27 +167,32 @@ class SpeculativeDecoder:
             self.target.logits(progress.context[:-1])
             # With -k auto the draft model reads the prompt only once it first drafts (maybe
             # never); its cache catches up by itself then.
-            if own_drafter and config.uses_draft_model and not config.auto_k:
+            if own_drafter and config.uses_draft_model and not config.auto_k and not prediction:
                 self.draft.logits(progress.context[:-1])
         stats.prefill_seconds = clock.elapsed()
-        auto = None
-        if config.auto_k and drafter is not None:
-            auto = self._auto_k(progress.context, config, measure_draft=own_drafter)
+        auto = config.auto_k and drafter is not None
+        if auto:
+            self._measure_auto_costs(progress.context, config, measure_draft=own_drafter)
+        default_kind = "lookup" if config.drafter == "ngram" else "model"
+        policy_of_round = {}  # -k auto: the policy that chose each round's block, by slot
 
         try:
             while progress.produced + progress.held_length < config.max_new_tokens:
                 remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
                 catch_up = 0.0
-                if auto is not None:
-                    k = auto.choose(k, at_least=0 if progress.held is None else progress.held.need)
-                    if k > 0 and own_drafter and config.uses_draft_model:
+                if auto:
+                    kind = default_kind if plan is None else plan(progress.context)
+                    policy = self.auto_k.policy(config, kind)
+                    held_need = 0 if progress.held is None else progress.held.need
+                    k = policy.choose(k, at_least=held_need)
+                    if k > 0 and own_drafter and kind == "model" and config.uses_draft_model:
                         catch_up = self._catch_up_draft(progress.context)
                 step = self._round(progress.context, drafter, k, config, target_generator)
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
-                if auto is not None:
-                    auto.observe_costs(
+                if auto:
+                    policy.observe_costs(
                         drafted=len(step.draft),
                         draft_seconds=step.draft_seconds,
                         verify_seconds=step.verify_seconds,
@@ -185,10 +200,11 @@ class SpeculativeDecoder:
                     step = dataclasses.replace(step, draft_seconds=step.draft_seconds + catch_up)
                 deferring_slot = None if progress.held is None else progress.held.round_slot
                 events, finished = self._commit(step, progress, config, drafter, stats)
-                if auto is not None:  # acceptance as committed: a deferral once it is settled
-                    auto.observe_round(stats.rounds[-1])
+                if auto:  # acceptance as committed: a deferral once it is settled
+                    policy_of_round[len(stats.rounds) - 1] = policy
+                    policy.observe_round(stats.rounds[-1])
                     if deferring_slot is not None:
-                        auto.observe_round(stats.rounds[deferring_slot])
+                        policy_of_round[deferring_slot].observe_round(stats.rounds[deferring_slot])
                 yield from deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
@@ -212,37 +228,26 @@ class SpeculativeDecoder:
         self.draft.logits(context[:-1])
         return time.perf_counter() - started
 
-    def _auto_k(self, context: list[int], config: DecodeConfig, *, measure_draft: bool) -> AutoK:
-        """The block-size policy for ``config``'s settings, shared by the requests that use
-        them (what one learns, the next starts from). The target's forward costs are measured
-        on the first request's context (and for sizes not yet measured), then kept and refined
-        by every round; so is the draft model's cost per token."""
+    def _measure_auto_costs(
+        self, context: list[int], config: DecodeConfig, *, measure_draft: bool
+    ) -> None:
+        """What ``-k auto`` chooses from, measured once and kept (what one request learns, the
+        next starts from): the target's forward costs on the first request's context (and for
+        sizes not yet measured), refined by every round since; the draft model's cost per
+        token."""
         largest = min(config.k, config.max_new_tokens - 1) + 1
         room = self.target.context_length
         sizes = probe_sizes(largest, room=None if room is None else room - len(context) + 1)
-        known = {} if self.block_costs is None else self.block_costs.seconds
+        known = {} if self.auto_k.block_costs is None else self.auto_k.block_costs.seconds
         if not set(sizes) <= set(known):
             # Twice over, keeping the faster: the first forwards of a process may run cold.
             first = measure_block_costs(self.target, context, sizes)
             second = measure_block_costs(self.target, context, sizes)
             known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
-            self.block_costs = ForwardCosts(known)
-        if measure_draft and config.uses_draft_model and self.draft_token_seconds == 0:
+            self.auto_k.block_costs = ForwardCosts(known)
+        if measure_draft and config.uses_draft_model and self.auto_k.draft_token_seconds == 0:
             self._catch_up_draft(context)
-            self.draft_token_seconds = measure_block_costs(self.draft, context, [1])[1]
-        fly = config.fly_in_force
-        key = (config.mode, config.drafter, config.k, fly)
-        if key not in self.auto_policies:
-            self.auto_policies[key] = AutoK(
-                max_k=config.k,
-                costs=self.block_costs,
-                window=None if fly is None else fly.window,
-                defer=fly is not None and fly.defer,
-                draft_seconds=self.draft_token_seconds if config.uses_draft_model else 0.0,
-            )
-        policy = self.auto_policies[key]
-        policy.costs = self.block_costs
-        return policy
+            self.auto_k.draft_token_seconds = measure_block_costs(self.draft, context, [1])[1]
 
     def _round(
         self,
@@ -278,7 +283,11 @@ class SpeculativeDecoder:
         ended. A round after a deferral first settles it: confirmed, the held tokens come
         first; rolled back, the round is wasted and only the correction is committed."""
         draft, verdict = step.draft, step.verdict
-        timing = {"draft_seconds": step.draft_seconds, "verify_seconds": step.verify_seconds}
+        timing = {
+            "draft_seconds": step.draft_seconds,
+            "verify_seconds": step.verify_seconds,
+            "source": draft.source if len(draft) else None,
+        }
         events: list[tuple[TokenEvent, int]] = []
         held = progress.held
         if held is not None:

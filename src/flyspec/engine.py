@@ -275,6 +275,24 @@ class Engine:
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_prediction(self, prediction: str) -> list[int]:
+        """Token ids of a predicted answer (Predicted Outputs), tokenized as answer text is:
+        no special tokens added."""
+        if not prediction:
+            raise FlyspecError("the prediction is empty")
+        return list(self.tokenizer.encode(prediction, add_special_tokens=False))
+
+    def check_prediction(self, prompt_ids: Sequence[int], prediction_ids: Sequence[int]) -> None:
+        """FlyspecError unless the prediction fits in the context after the prompt (the
+        answer it predicts would not)."""
+        room = self.context_length - len(prompt_ids)
+        if len(prediction_ids) > room:
+            raise FlyspecError(
+                f"the prediction ({len(prediction_ids)} tokens) does not fit in the model's "
+                f"context of {self.context_length} tokens after the prompt ({len(prompt_ids)} "
+                "tokens)"
+            )
+
     def stream(
         self,
         prompt_ids: Sequence[int],
@@ -283,6 +301,7 @@ class Engine:
         stats: RequestStats | None = None,
         should_stop: Callable[[], bool] | None = None,
         drafter: Drafter | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
         ``config.max_new_tokens``.
@@ -291,7 +310,11 @@ class Engine:
         ends there (``stats.finish_reason`` "cancelled") and the text held back so far is
         still released, as at any end. Closing the iterator instead drops that text.
         ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of ``config.drafter``'s.
+        ``prediction``: token ids the answer is expected to largely repeat
+        (:meth:`encode_prediction`), drafted from first.
         """
+        if prediction is not None:
+            self.check_prediction(prompt_ids, prediction)
         if len(prompt_ids) + config.max_new_tokens > self.context_length:
             raise FlyspecError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
@@ -301,7 +324,7 @@ class Engine:
         stats = stats if stats is not None else RequestStats()
         text = StopTextDecoder(self.tokenizer, config.stop)
         events: Iterator[TokenEvent] = self.decoder.stream(
-            prompt_ids, config, stats=stats, drafter=drafter
+            prompt_ids, config, stats=stats, drafter=drafter, prediction=prediction
         )
         last: TokenEvent | None = None
         try:
@@ -327,14 +350,21 @@ class Engine:
         *,
         chat: bool = False,
         drafter: Drafter | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerationResult:
-        """Run one request to the end (``drafter`` as in :meth:`stream`)."""
+        """Run one request to the end (``drafter`` as in :meth:`stream`; ``prediction``: the
+        text, or token ids, the answer is expected to largely repeat)."""
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt
+        if isinstance(prediction, str):
+            prediction = self.encode_prediction(prediction)
         stats = RequestStats()
         pieces: list[str] = []
         token_ids: list[int] = []
         origins: list[Origin] = []
-        for chunk in self.stream(prompt_ids, config, stats=stats, drafter=drafter):
+        chunks = self.stream(
+            prompt_ids, config, stats=stats, drafter=drafter, prediction=prediction
+        )
+        for chunk in chunks:
             pieces.append(chunk.text)
             if chunk.token is not None:
                 token_ids.append(chunk.token)

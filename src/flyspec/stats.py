@@ -50,6 +50,9 @@ class RoundStats:
     block (``FlyConfig.defer``), ``"pending"`` while that is undecided; a rolled-back round's
     successor emits nothing (``"wasted"``)."""
     loose_tokens: tuple[LooseToken, ...] = ()
+    source: str | None = None
+    """Where the drafted tokens came from (:data:`flyspec.drafters.base.DraftSource`), None
+    when none were drafted."""
 
     @property
     def committed(self) -> int:
@@ -113,6 +116,17 @@ class RequestStats:
     def loose_tokens(self) -> list[LooseToken]:
         return [token for r in self.rounds for token in r.loose_tokens]
 
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """Tokens drafted from the request's prediction and kept (exactly or loosely)."""
+        return sum(r.accepted + r.loosely_accepted for r in self.rounds if r.source == "prediction")
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Tokens drafted from the request's prediction and not kept; a prediction token
+        proposed in two rounds and rejected in both counts twice."""
+        return sum(r.rejected for r in self.rounds if r.source == "prediction")
+
     def deferrals(self, outcome: str) -> int:
         """Rounds whose deferral ended with ``outcome`` (``confirmed``, ``rolled_back``)."""
         return sum(r.deferral == outcome for r in self.rounds)
@@ -155,6 +169,8 @@ class RequestStats:
             "finish_reason": self.finish_reason,
             "deferrals_confirmed": self.deferrals("confirmed"),
             "deferrals_rolled_back": self.deferrals("rolled_back"),
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }
 
     def summary_line(self) -> str:

@@ -200,6 +200,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_refuses_predictions_through_vllms_middleware_option():
+    from flyspec.integrations.vllm.predictions import MIDDLEWARE
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "flyspec.cli", "serve", "--engine", "vllm", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert f"--middleware {MIDDLEWARE}" in printed.stdout
+
+
 @needs_avx512
 def test_serve_answers_an_openai_chat_request_and_publishes_the_count(tmp_path):
     port = free_port()
@@ -252,6 +265,16 @@ def test_serve_answers_an_openai_chat_request_and_publishes_the_count(tmp_path):
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert re.search(r"^vllm:spec_decode_num_loosely_accepted_tokens_total \d", metrics, re.M)
         assert "vllm:spec_decode_num_drafts_total" in metrics
+        predicted = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Reverse a list."}],
+                "prediction": {"type": "content", "content": "def reverse(items):"},
+            },
+            timeout=60,
+        )
+        assert predicted.status_code == 400, predicted.text
+        assert "vLLM has no Predicted Outputs" in predicted.json()["error"]["message"]
     finally:
         server.terminate()
         try:

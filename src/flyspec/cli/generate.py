@@ -40,6 +40,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
     generate.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
     )
+    generate.add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="a file holding text the answer is expected to largely repeat, such as the code "
+        "being edited ('-' reads standard input): drafts come from it first (Predicted Outputs)",
+    )
     output = generate.add_mutually_exclusive_group()
     output.add_argument(
         "--json",
@@ -69,21 +75,28 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def run_generate(args: argparse.Namespace) -> int:
     config = decode_config_from_args(args)
+    if args.prompt == "-" and args.prediction == "-":
+        raise FlyspecError("the prompt and --prediction cannot both be read from standard input")
     prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise FlyspecError("the prompt is empty")
+    prediction = None if args.prediction is None else read_prediction(args.prediction)
     if args.compare_target and args.compare_pairs < 1:
         raise FlyspecError(f"--compare-pairs must be >= 1, got {args.compare_pairs}")
     engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
     prompt_ids = engine.encode(prompt, chat=args.chat)
+    prediction_ids = None
+    if prediction is not None:
+        prediction_ids = engine.encode_prediction(prediction)
+        engine.check_prediction(prompt_ids, prediction_ids)
     comparison = None
     if args.compare_target:
         comparison = TargetComparison(
             pairs=args.compare_pairs, llamacpp=plain_llamacpp(args, engine, config)
-        ).start(engine, prompt_ids, config)
+        ).start(engine, prompt_ids, config, prediction=prediction_ids)
 
     if args.json:
-        result = engine.generate(prompt_ids, config)
+        result = engine.generate(prompt_ids, config, prediction=prediction_ids)
         payload = result.as_dict()
         if comparison is not None:
             payload.update(comparison.finish(result.stats))
@@ -99,7 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "colours: "
             + ", ".join(f"{colour}{origin}{RESET}" for origin, colour in ORIGIN_COLOURS.items())
         )
-    for chunk in engine.stream(prompt_ids, config, stats=stats):
+    for chunk in engine.stream(prompt_ids, config, stats=stats, prediction=prediction_ids):
         text = chunk.text
         if args.show and text:
             text = f"{ORIGIN_COLOURS[chunk.origin]}{text}{RESET}"
@@ -108,6 +121,12 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     say(f"[{config.mode}] {stats.summary_line()}")
+    if prediction_ids is not None:
+        say(
+            f"prediction: {len(prediction_ids)} tokens; "
+            f"{stats.accepted_prediction_tokens} of its drafted tokens kept, "
+            f"{stats.rejected_prediction_tokens} rejected"
+        )
     if comparison is not None:
         comparison.finish(stats)
         say(comparison.line())
@@ -135,8 +154,16 @@ class TargetComparison:
         self.llamacpp_weights = "" if llamacpp is None else llamacpp.weights
         self.mode = "method"
 
-    def start(self, engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig):
-        """Warm up, then run every timed generation but the last (shown) one."""
+    def start(
+        self,
+        engine,
+        prompt_ids: Sequence[int],
+        config: cfg.DecodeConfig,
+        *,
+        prediction: Sequence[int] | None = None,
+    ):
+        """Warm up, then run every timed generation but the last (shown) one (the method
+        with ``prediction``, the target alone without)."""
         warm_up(engine, prompt_ids, config)
         self.mode = config.mode
         plain = self.plain_llamacpp
@@ -156,7 +183,8 @@ class TargetComparison:
                 self.llamacpp.append(len(run.token_ids) / run.seconds if run.seconds else 0.0)
             if pair < self.pairs:
                 say(f"timing {config.mode} ({pair}/{self.pairs}) ...")
-                self.method.append(engine.generate(prompt_ids, config).stats)
+                method = engine.generate(prompt_ids, config, prediction=prediction)
+                self.method.append(method.stats)
         say(f"running {config.mode} ({self.pairs}/{self.pairs}), shown ...")
         return self
 
@@ -282,6 +310,28 @@ def read_prompt(argument: str) -> str:
         raise FlyspecError(
             f"{source} is not valid UTF-8: byte 0x{data[error.start]:02x} at offset {error.start}"
         ) from None
+
+
+def read_prediction(argument: str) -> str:
+    """The text of ``--prediction``: a UTF-8 file, or standard input for ``-``."""
+    if argument == "-":
+        data, source = sys.stdin.buffer.read(), "standard input"
+    else:
+        source = f"the prediction file {argument}"
+        try:
+            with open(argument, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise FlyspecError(f"cannot read {source}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FlyspecError(
+            f"{source} is not valid UTF-8: byte 0x{data[error.start]:02x} at offset {error.start}"
+        ) from None
+    if not text:
+        raise FlyspecError(f"{source} is empty: give the text the answer should repeat")
+    return text
 
 
 def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:

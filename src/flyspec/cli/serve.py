@@ -249,6 +249,7 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
         printable,
         serve_command,
     )
+    from flyspec.integrations.vllm.predictions import MIDDLEWARE
 
     if defaults.stop or defaults.draft_temperature or defaults.draft_confidence:
         raise FlyspecError(
@@ -272,7 +273,8 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
         port=args.port,
         served_model_name=args.model_name or default_model_name(args.target, spec.target),
         generation_defaults=generation,
-        extra_arguments=[*extra, "--uvicorn-log-level", args.log_level],
+        # vLLM has no Predicted Outputs: a request with a prediction gets a clear 400.
+        extra_arguments=[*extra, "--middleware", MIDDLEWARE, "--uvicorn-log-level", args.log_level],
     )
     if args.dry_run:
         print(printable(command, environment=engine_environment(os.environ)), flush=True)

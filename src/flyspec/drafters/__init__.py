@@ -3,7 +3,7 @@ follows :class:`Drafter` can stand in for them."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -12,6 +12,7 @@ from flyspec.drafters.base import Draft, Drafter
 from flyspec.drafters.mla import MlaDrafter
 from flyspec.drafters.model import ModelDrafter
 from flyspec.drafters.ngram import NgramDrafter, find_ngram_continuation
+from flyspec.drafters.prediction import PredictionDrafter
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import LanguageModel
 
@@ -21,6 +22,7 @@ __all__ = [
     "MlaDrafter",
     "ModelDrafter",
     "NgramDrafter",
+    "PredictionDrafter",
     "find_ngram_continuation",
     "make_drafter",
 ]
@@ -32,12 +34,29 @@ def make_drafter(
     draft_lm: LanguageModel | None,
     end_tokens: Collection[int] = (),
     generator: torch.Generator | None = None,
+    prediction: Sequence[int] | None = None,
+    prompt_length: int = 0,
 ) -> Drafter | None:
     """The built-in drafter ``config.drafter`` names, with ``config``'s settings (None in mode
     ``target``). ``draft_lm``: the draft model, which ``model`` and ``mla`` need;
-    ``generator``: the random source of a sampled draft."""
+    ``generator``: the random source of a sampled draft. With a ``prediction`` (token ids of
+    the expected answer, after ``prompt_length`` prompt tokens), blocks come from it first,
+    then from prompt lookup, then from the draft model where ``config.drafter`` uses one."""
     if config.mode == "target":
         return None
+    if prediction:
+        fallback = None
+        if config.drafter != "ngram":
+            fallback = make_drafter(
+                config, draft_lm=draft_lm, end_tokens=end_tokens, generator=generator
+            )
+        return PredictionDrafter(
+            prediction,
+            prompt_length=prompt_length,
+            fallback=fallback,
+            max_ngram=config.max_ngram,
+            end_tokens=end_tokens,
+        )
     if config.drafter == "ngram":
         return NgramDrafter(max_ngram=config.max_ngram, end_tokens=end_tokens)
     if draft_lm is None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+
+DraftSource = Literal["model", "lookup", "prediction"]
+"""Where a block's tokens come from: the draft model (alone or with MLA's n-gram proposals),
+prompt lookup in the context, or the request's prediction of its answer."""
 
 
 @dataclass(frozen=True)
@@ -14,11 +18,13 @@ class Draft:
     """A proposed block: ``tokens`` ``long[K]``; for a sampled draft, the distributions
     ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot); and the
     draft model's ``confidence`` ``float[K]`` in each of its tokens (:func:`token_confidence`;
-    None for drafters without a model, such as prompt lookup)."""
+    None for drafters without a model, such as prompt lookup); and where the tokens come from
+    (``source``)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    source: DraftSource = "model"
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -33,7 +39,9 @@ class Drafter(Protocol):
 
     A drafter may also define ``observe(num_drafted: int, num_kept: int)``: the decoder then
     tells it, after each verified block, how many of the tokens it proposed were kept (exactly
-    or loosely), e.g. to adapt how many it drafts next.
+    or loosely), e.g. to adapt how many it drafts next. And ``plan(context) -> str``: what kind
+    of block it would propose next (``-k auto`` keeps one set of estimates per kind, as blocks
+    of different kinds cost and keep differently).
     """
 
     def propose(self, context: Sequence[int], k: int) -> Draft: ...

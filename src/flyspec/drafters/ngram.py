@@ -52,7 +52,7 @@ class NgramDrafter:
         ends_at = end_index(continuation, self.end_tokens)
         if ends_at is not None:
             continuation = continuation[: ends_at + 1]
-        return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
+        return Draft(tokens=torch.tensor(continuation, dtype=torch.long), source="lookup")
 
     def reset(self) -> None:
         """Stateless."""

@@ -41,11 +41,13 @@ from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checked request: its model, prompt token ids and decoding settings."""
+    """A checked request: its model, prompt token ids and decoding settings, and the token ids
+    of its prediction (Predicted Outputs) when it sent one."""
 
     body: CompletionRequest | ChatCompletionRequest
     prompt_ids: list[int]
     config: DecodeConfig
+    prediction_ids: list[int] | None = None
 
 
 class GenerationHandler:
@@ -94,7 +96,12 @@ class GenerationHandler:
         prepared = await asyncio.get_running_loop().run_in_executor(self._executor, prepare)
         body, prompt_ids, config = prepared.body, prepared.prompt_ids, prepared.config
         try:
-            job = self.queue.submit(prompt_ids, config, timeout=self.request_timeout)
+            job = self.queue.submit(
+                prompt_ids,
+                config,
+                timeout=self.request_timeout,
+                prediction_ids=prepared.prediction_ids,
+            )
         except QueueFullError:
             raise APIError(
                 429,
@@ -126,7 +133,7 @@ class GenerationHandler:
                 model=self.model_name,
                 text=text,
                 finish_reason=job.finish_reason or "length",
-                usage_=responses.usage(len(job.prompt_ids), job.completion_tokens),
+                usage_=responses.job_usage(job),
                 speculative_=responses.speculative(
                     job.config.mode, job.stats, timed_out=job.timed_out
                 ),
@@ -193,6 +200,18 @@ class GenerationHandler:
                 code="context_length_exceeded",
             )
         config = request_config(self.defaults, body, max_new_tokens=max_tokens)
+        prediction_ids = None
+        if body.prediction is not None:
+            prediction_ids = self.engine.encode_prediction(body.prediction)
+            if len(prompt_ids) + len(prediction_ids) > limit:
+                raise APIError(
+                    400,
+                    f"the prediction does not fit in this model's context: {limit} tokens, "
+                    f"and the prompt has {len(prompt_ids)} and the prediction "
+                    f"{len(prediction_ids)}",
+                    param="prediction",
+                    code="context_length_exceeded",
+                )
         if config.uses_draft_model and getattr(self.engine, "draft_model", None) is None:
             raise APIError(
                 400,
@@ -200,7 +219,9 @@ class GenerationHandler:
                 "and this server has none; use mode 'target' or drafter 'ngram'",
                 param="drafter",
             )
-        return Prepared(body=body, prompt_ids=prompt_ids, config=config)
+        return Prepared(
+            body=body, prompt_ids=prompt_ids, config=config, prediction_ids=prediction_ids
+        )
 
     def _encode(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> list[int]:
         try:
@@ -245,7 +266,7 @@ class GenerationHandler:
                 final = responses.chat_chunk(**common, delta={}, finish_reason=finish_reason)
             else:
                 final = responses.completion_chunk(**common, text="", finish_reason=finish_reason)
-            final["usage"] = responses.usage(len(job.prompt_ids), job.completion_tokens)
+            final["usage"] = responses.job_usage(job)
             final["speculative"] = responses.speculative(
                 job.config.mode, job.stats, timed_out=job.timed_out
             )

@@ -5,6 +5,9 @@ unknown fields are refused, so a misspelt setting is reported instead of silentl
 Standard OpenAI fields the server does not implement are accepted only at their neutral value
 (``presence_penalty: 0``, ``logprobs: null`` ...), and refused otherwise.
 
+``prediction`` (Predicted Outputs) is OpenAI's ``{"type": "content", "content": ...}``, the
+content a string or a list of text parts; it is read as its text.
+
 FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
 ``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, the rules
 beyond the paper ``min_ratio``, ``max_rank``, ``max_draft_confidence`` and ``defer``, plus
@@ -212,6 +215,25 @@ def _is_json_media_type(content_type: str | None) -> bool:
     return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
+def text_of_parts(value: Any, *, what: str) -> str:
+    """The text of a string or of a list of text parts ``{"type": "text", "text": ...}``
+    (a message's content, a prediction's); ValueError naming ``what`` otherwise."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(f'{what} parts must be {{"type": "text", "text": "..."}}')
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{what} must be a string or a list of text parts")
+
+
 class _Request(BaseModel):
     """Fields shared by the completion and chat endpoints."""
 
@@ -230,6 +252,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream_options: dict[str, Any] | None = None
+    prediction: Any = None
     # FLy settings and top-k (extensions)
     mode: str | None = None
     drafter: str | None = None
@@ -251,6 +274,24 @@ class _Request(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("prediction")
+    @classmethod
+    def _prediction(cls, value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.get("type") != "content" or "content" not in value:
+            raise ValueError(
+                'prediction must be an object {"type": "content", "content": ...} '
+                "(Predicted Outputs)"
+            )
+        unknown = sorted(set(value) - {"type", "content"})
+        if unknown:
+            raise ValueError(f"prediction has unknown field(s): {', '.join(unknown)}")
+        text = text_of_parts(value["content"], what="prediction.content")
+        if not text:
+            raise ValueError("prediction.content is empty: send the text the answer should repeat")
+        return text
 
     @field_validator("theta", mode="before")
     @classmethod
@@ -324,20 +365,7 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _content(cls, value: Any) -> str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            texts = []
-            for part in value:
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise ValueError('content parts must be {"type": "text", "text": "..."}')
-                texts.append(part["text"])
-            return "".join(texts)
-        raise ValueError("content must be a string or a list of text parts")
+        return text_of_parts(value, what="content")
 
     def as_template_dict(self) -> dict[str, str]:
         """The message as the chat template expects it (``developer`` becomes ``system``)."""

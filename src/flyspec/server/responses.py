@@ -29,6 +29,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def job_usage(job) -> dict[str, Any]:
+    """The usage of a finished :class:`~flyspec.server.scheduler.Job`; with a prediction,
+    ``completion_tokens_details`` says how many of the tokens drafted from it were kept
+    (``accepted_prediction_tokens``) and how many were not (``rejected_prediction_tokens``)."""
+    result: dict[str, Any] = usage(len(job.prompt_ids), job.completion_tokens)
+    if job.prediction_ids is not None:
+        result["completion_tokens_details"] = {
+            # A stop string may cut the text inside a round whose tokens were all kept.
+            "accepted_prediction_tokens": min(
+                job.stats.accepted_prediction_tokens, job.completion_tokens
+            ),
+            "rejected_prediction_tokens": job.stats.rejected_prediction_tokens,
+        }
+    return result
+
+
 def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> dict[str, Any]:
     """The ``speculative`` object: how the request was decoded, from ``RequestStats``."""
     figures = stats.as_dict()

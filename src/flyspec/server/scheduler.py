@@ -51,8 +51,16 @@ class Job:
     ``loop.call_soon_threadsafe``.
     """
 
-    def __init__(self, prompt_ids: Sequence[int], config: DecodeConfig, *, deadline: float) -> None:
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        config: DecodeConfig,
+        *,
+        deadline: float,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> None:
         self.prompt_ids = list(prompt_ids)
+        self.prediction_ids = None if prediction_ids is None else list(prediction_ids)
         self.config = config
         self.deadline = deadline
         self.stats = RequestStats()
@@ -192,13 +200,25 @@ class GenerationQueue:
         if self._executor is not None and self._executor is not self._given_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def submit(self, prompt_ids: Sequence[int], config: DecodeConfig, *, timeout: float) -> Job:
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        config: DecodeConfig,
+        *,
+        timeout: float,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> Job:
         """Put a job in line, or raise :class:`QueueFullError` when the line is full."""
         if self._loop is None or self._wakeup is None:
             raise RuntimeError("the generation queue is not started")
         if len(self._waiting) + self.running > self.max_waiting:
             raise QueueFullError
-        job = Job(prompt_ids, config, deadline=time.monotonic() + timeout)
+        job = Job(
+            prompt_ids,
+            config,
+            deadline=time.monotonic() + timeout,
+            prediction_ids=prediction_ids,
+        )
         job._deadline_timer = self._loop.call_later(timeout, self._on_deadline, job)
         self._waiting.append(job)
         self._wakeup.set()
@@ -260,7 +280,11 @@ class GenerationQueue:
         # The engine ends the request after the next committed token once a stop is
         # requested, and still hands over the text it held back (a stop-string prefix).
         stream = self.engine.stream(
-            job.prompt_ids, job.config, stats=job.stats, should_stop=job._should_stop
+            job.prompt_ids,
+            job.config,
+            stats=job.stats,
+            should_stop=job._should_stop,
+            prediction=job.prediction_ids,
         )
         try:
             for chunk in stream:
