@@ -510,3 +510,24 @@ def test_a_method_that_fails_is_reported_and_the_others_keep_their_figures(
     monkeypatch.setattr(FlyspecMethod, "run", lambda self, *a, **k: 1 / 0)
     with pytest.raises(FlyspecError, match="the baseline target failed during prompt a"):
         run_benchmark(tiny_engine, prompts, ["target", "fly"], config, progress=False, warmup=False)
+
+
+def test_prediction_methods_draft_from_each_prompts_prediction(tiny_engine):
+    """``predict`` drafts from the prompt's prediction and stays the target's text; a
+    prediction that is the target's own answer is kept nearly whole; the decoding-alone speed
+    is recorded next to the end-to-end one."""
+    config = DecodeConfig(k=4, max_new_tokens=12)
+    first = run_benchmark(tiny_engine, PROMPTS, ["target"], config, progress=False)
+    answers = [record["text"] for record in first["samples"]["target"]]
+    predicted = [
+        BenchPrompt(id=p.id, messages=p.messages, raw=p.raw, prediction=answer)
+        for p, answer in zip(PROMPTS, answers, strict=True)
+    ]
+    methods = ["target", "predict", "fly-predict"]
+    report = run_benchmark(tiny_engine, predicted, methods, config, progress=False)
+    summaries = {s["method"]: s for s in report["methods"]}
+    assert summaries["predict"]["identical_to_target"] == len(PROMPTS)
+    assert summaries["predict"]["settings"]["prediction"] is True
+    for record in report["samples"]["predict"]:
+        assert record["stats"]["accepted_prediction_tokens"] > 0
+        assert record["decode_tokens_per_second"] >= record["tokens_per_second"]

@@ -76,10 +76,12 @@ def test_without_a_place_it_falls_back_to_prompt_lookup_then_to_the_fallback():
     prediction = answer_tokens(30)
     fallback = Recorder()
     drafter = PredictionDrafter(prediction, prompt_length=4, fallback=fallback)
-    context = [9, 8, 7, 6, 500, 501, 502, 9, 8]  # the answer's tail recurs in the prompt
+    context = [9, 8, 7, 6, 500, 501, 502, 9, 8, 7]  # the answer's tail recurs in the prompt
     draft = drafter.propose(context, 3)
-    assert draft.source == "lookup" and draft.tokens.tolist() == [7, 6, 500]
+    assert draft.source == "lookup" and draft.tokens.tolist() == [6, 500, 501]
     assert drafter.plan(context) == "lookup"
+    short = [9, 8, 7, 6, 500, 501, 502, 9, 8]  # a tail of two tokens is too short to look up
+    assert drafter.plan(short) == "model"
     lost = [9, 8, 7, 6, 600, 601, 602]
     assert drafter.propose(lost, 3).tokens.tolist() == [7, 7, 7]
     assert fallback.calls == 1
@@ -116,6 +118,11 @@ def test_a_place_found_from_a_long_match_is_sure():
 def test_end_tokens_end_a_predicted_block():
     drafter = PredictionDrafter([5, 6, 0, 8], prompt_length=1, end_tokens={0})
     assert drafter.propose([1], 4).tokens.tolist() == [5, 6, 0]
+
+
+def test_without_a_fallback_a_lost_place_drafts_nothing():
+    drafter = PredictionDrafter(answer_tokens(30), prompt_length=2)
+    assert len(drafter.propose([1, 2, 600, 601, 602], 4)) == 0
 
 
 def test_make_drafter_wraps_the_configured_drafter_with_a_prediction():
@@ -191,3 +198,18 @@ def test_a_prediction_with_a_drafter_or_empty_is_refused(target):
         next(decoder.stream(PROMPT_IDS, config, drafter=Recorder(), prediction=[4]))
     with pytest.raises(FlyspecError, match="empty"):
         next(decoder.stream(PROMPT_IDS, config, prediction=[]))
+
+
+def test_fly_verifies_predicted_tokens_exactly_unless_told_otherwise(target):
+    """A rule that loosens every mismatch (theta 0, no window): drafts from a wrong
+    prediction are still verified exactly, unless loosen_predicted is set."""
+    expected = greedy(target, PROMPT_IDS, 24)
+    wrong = [(token + 1) % 96 for token in expected]
+    loose = FlyConfig(theta=0.0, window=0)
+    config = DecodeConfig(mode="fly", drafter="ngram", k=6, max_new_tokens=24, fly=loose)
+    decoder = SpeculativeDecoder(target)
+    tokens = [e.token for e in decoder.stream(PROMPT_IDS, config, prediction=wrong)]
+    assert tokens == expected
+    loosened = config.with_updates(loosen_predicted=True)
+    tokens = [e.token for e in decoder.stream(PROMPT_IDS, loosened, prediction=wrong)]
+    assert tokens[:6] == wrong[:6]

@@ -261,6 +261,10 @@ class DecodeConfig:
     forwards that would likely be rejected, like transformers' assistant confidence threshold.
     ``auto_k``: choose the block size every round, from 0 (the target alone) to ``k``, for the
     most expected tokens per second (:mod:`flyspec.auto_k`).
+    ``loosen_predicted``: FLy's rule applies to tokens drafted from a request's prediction
+    (Predicted Outputs) too; by default they are verified exactly, so that an edit the target
+    makes where it is unsure is not lost to the unedited code the prediction proposes
+    (docs/design.md, "Predicted Outputs").
     """
 
     mode: Mode = "fly"
@@ -275,6 +279,7 @@ class DecodeConfig:
     mla_proposals: int = DEFAULT_MLA_PROPOSALS
     stop: tuple[str, ...] = ()
     auto_k: bool = False
+    loosen_predicted: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -329,6 +334,11 @@ class DecodeConfig:
             isinstance(self.auto_k, bool),
             f"auto_k must be True or False, got {self.auto_k!r}",
             field="auto_k",
+        )
+        _check(
+            isinstance(self.loosen_predicted, bool),
+            f"loosen_predicted must be True or False, got {self.loosen_predicted!r}",
+            field="loosen_predicted",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),

@@ -63,6 +63,8 @@ def text_settings(config: DecodeConfig) -> dict:
     settings.pop("max_new_tokens")
     if not config.auto_k:
         settings.pop("auto_k")
+    if config.fly_in_force is None or not config.loosen_predicted:
+        settings.pop("loosen_predicted")
     settings["stop"] = list(config.stop)
     if config.mode == "target":
         for name in _SPECULATION_SETTINGS + _DRAFTING_SETTINGS:
@@ -427,14 +429,18 @@ class SpeculativeDecoder:
         generator: torch.Generator | None,
     ) -> tuple[Verdict, torch.Tensor]:
         """One target forward over the block and the verdict on it, with the target's
-        ``[K+1, V]`` logits (what the loose-token records read)."""
+        ``[K+1, V]`` logits (what the loose-token records read). Tokens drafted from a
+        prediction are verified exactly unless ``config.loosen_predicted``."""
         target_logits = self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
         draft_tokens = draft.tokens.to(target_logits.device)
+        fly = config.fly_in_force
+        if draft.source == "prediction" and not config.loosen_predicted:
+            fly = None
         if config.sampling.greedy:
             verdict = verify_greedy(
                 draft_tokens,
                 target_logits,
-                fly=config.fly_in_force,
+                fly=fly,
                 draft_confidence=draft.confidence,
             )
             return verdict, target_logits
@@ -447,7 +453,7 @@ class SpeculativeDecoder:
             draft_tokens,
             draft_probs,
             target_probs,
-            fly=config.fly_in_force,
+            fly=fly,
             target_logits=verified_logits,
             generator=generator,
             draft_confidence=draft.confidence,

@@ -53,7 +53,7 @@ def run_benchmark(
     over ``baseline``, and also over ``llamacpp-target`` where it runs."""
     from tqdm import tqdm
 
-    from flyspec.bench.prompts import encode_prompts
+    from flyspec.bench.prompts import encode_prediction, encode_prompts
     from flyspec.bench.report import (
         decoding_settings,
         environment,
@@ -69,6 +69,7 @@ def run_benchmark(
         raise FlyspecError(f"repeats must be >= 1, got {repeats}")
     tokenizer = (engine or llamacpp_engine).tokenizer
     prompt_ids = encode_prompts(tokenizer, prompts)
+    prediction_ids = [encode_prediction(tokenizer, prompt) for prompt in prompts]
     seed = config.sampling.seed
     failures = MethodFailures(baseline)
     longest = max(len(ids) for ids in prompt_ids) + config.max_new_tokens
@@ -86,7 +87,12 @@ def run_benchmark(
         warmup_tokens = min(config.max_new_tokens, 2 * (config.k + 1))
         for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress):
             with failures.catch(method.name, during="the warm-up"):
-                method.run(prompt_ids[0], max_new_tokens=warmup_tokens, seed=sample_seed(0))
+                method.run(
+                    prompt_ids[0],
+                    max_new_tokens=warmup_tokens,
+                    seed=sample_seed(0),
+                    prediction_ids=prediction_ids[0],
+                )
 
     # runs[name][repeat][prompt]; each repeat runs every method once per prompt, the order
     # rotated by one method per repeat so that no method always runs first after another.
@@ -119,6 +125,7 @@ def run_benchmark(
                                     ids,
                                     max_new_tokens=config.max_new_tokens,
                                     seed=sample_seed(index),
+                                    prediction_ids=prediction_ids[index],
                                 )
                             )
             loads.append(monitor.load)
@@ -163,6 +170,12 @@ def run_benchmark(
         for summary in summaries:
             summary["speedup_over_llamacpp"] = _speedup_over(
                 summary, samples, _speeds(samples, LLAMACPP_BASELINE)
+            )
+            summary["decode_speedup_over_llamacpp"] = _speedup_over(
+                summary,
+                samples,
+                _speeds(samples, LLAMACPP_BASELINE, "decode_tokens_per_second"),
+                "decode_tokens_per_second",
             )
     return {
         "config": {
@@ -236,8 +249,8 @@ def reference_method(name: str, method_names: Sequence[str], baseline: str) -> s
     return baseline
 
 
-def _speeds(samples: dict, name: str) -> list[float]:
-    return [r["tokens_per_second"] for r in samples[name]]
+def _speeds(samples: dict, name: str, key: str = "tokens_per_second") -> list[float | None]:
+    return [r[key] for r in samples[name]]
 
 
 def console_notes(report: dict) -> list[str]:
@@ -286,9 +299,18 @@ def add_flyspec_methods(report: dict, own: dict, *, engine_settings: dict) -> No
     report["config"]["flyspec"] = engine_settings
 
 
-def _speedup_over(summary: dict, samples: dict, baseline_speed: list[float]) -> float | None:
+def _speedup_over(
+    summary: dict,
+    samples: dict,
+    baseline_speed: list[float | None],
+    key: str = "tokens_per_second",
+) -> float | None:
+    """The mean of ``summary``'s method's per-sample ``key`` speeds over that of the
+    baseline's; None without a baseline, or where a speed is not known."""
     from flyspec.stats import mean_speedup
 
-    speed = [r["tokens_per_second"] for r in samples[summary["method"]]]
+    speed = [r[key] for r in samples[summary["method"]]]
+    if None in speed or None in baseline_speed:
+        return None
     value = mean_speedup(speed, baseline_speed)
     return None if math.isnan(value) else round(value, 4)  # nan: no baseline

@@ -36,7 +36,13 @@ FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
     "fly": ("fly", "model"),
     "fly-mla": ("fly", "mla"),
     "fly-paper": ("fly", "model"),
+    "predict": ("spd", "ngram"),
+    "fly-predict": ("fly", "ngram"),
 }
+PREDICTION_METHODS = frozenset({"predict", "fly-predict"})
+"""Drafting from the prompt's prediction (Predicted Outputs), then prompt lookup: exact
+(``predict``) or FLy (``fly-predict``; the predicted tokens themselves verified exactly unless
+``--loosen-predicted``)."""
 PAPER_RULE_METHODS = frozenset({"fly-paper"})
 """FLy at the paper's default rule (theta 0.3, W 6, top-3 entropy, no rule beyond the paper),
 whatever the FLy flags say: the reference that settings of ``fly`` are compared with in one
@@ -48,6 +54,8 @@ LLAMACPP_LOOP_METHODS: dict[str, str] = {
     "llamacpp-ngram": "ngram",
     "llamacpp-fly": "fly",
     "llamacpp-fly-mla": "fly-mla",
+    "llamacpp-predict": "predict",
+    "llamacpp-fly-predict": "fly-predict",
 }
 LLAMACPP_OWN_METHODS = ("llamacpp-target", "llamacpp-lookup")
 LLAMACPP_METHODS = (*LLAMACPP_OWN_METHODS, *LLAMACPP_LOOP_METHODS)
@@ -83,6 +91,8 @@ LOSSLESS_METHODS = frozenset(
         "llamacpp-lookup",
         "llamacpp-spd",
         "llamacpp-ngram",
+        "predict",
+        "llamacpp-predict",
     }
 )
 SPECULATIVE_METHODS = frozenset(
@@ -142,6 +152,7 @@ class SampleRun:
     peak_rss_bytes: int = 0  # the process and its children while the prompt ran
     state_bytes: int = 0  # KV caches after the prompt (flyspec's methods)
     touched_bytes: int = 0  # the memory the run itself read or wrote (its own)
+    prefill_seconds: float | None = None  # reading the prompt but its last token; None: unknown
 
 
 def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
@@ -161,8 +172,17 @@ class BenchMethod(Protocol):
     name: str
     settings: dict
 
-    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
-        """Generate for one prompt; ``seed`` seeds sampling (ignored when greedy)."""
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int | None,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> SampleRun:
+        """Generate for one prompt; ``seed`` seeds sampling (ignored when greedy);
+        ``prediction_ids``: the prompt's prediction (Predicted Outputs), which the methods
+        that draft from one use and the others ignore."""
         ...
 
 
@@ -190,23 +210,37 @@ class FlyspecMethod:
         self.name = name
         self.decoder = engine.decoder
         self.config = config.with_updates(mode=mode, drafter=drafter)
+        self.uses_prediction = LLAMACPP_LOOP_METHODS.get(base, base) in PREDICTION_METHODS
         self.settings = {"mode": mode, "drafter": drafter, "backend": engine.backend}
+        if self.uses_prediction:
+            self.settings.update(prediction=True, loosen_predicted=config.loosen_predicted)
         if mode != "target":
             self.settings["k"] = "auto" if self.config.auto_k else self.config.k
         if mode == "fly":
             self.settings.update(asdict(config.fly))
 
-    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int | None,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> SampleRun:
         config = self.config.with_updates(
             max_new_tokens=max_new_tokens, sampling=replace(self.config.sampling, seed=seed)
         )
         stats = RequestStats()
+        prediction = prediction_ids if self.uses_prediction and prediction_ids else None
         started = time.perf_counter()
-        tokens = [event.token for event in self.decoder.stream(prompt_ids, config, stats=stats)]
+        events = self.decoder.stream(prompt_ids, config, stats=stats, prediction=prediction)
+        tokens = [event.token for event in events]
         seconds = time.perf_counter() - started
         models = [self.decoder.target, self.decoder.draft]
         state = sum(model.state_bytes() for model in models if model is not None)
-        return SampleRun(tokens, seconds, stats, state_bytes=state)
+        return SampleRun(
+            tokens, seconds, stats, state_bytes=state, prefill_seconds=stats.prefill_seconds
+        )
 
 
 class HfMethod:
@@ -255,7 +289,14 @@ class HfMethod:
             )
         }
 
-    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int | None,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> SampleRun:
         import torch
 
         device = next(self.target.parameters()).device
@@ -368,7 +409,14 @@ class LlamaCppOwnMethod:
         if draft_model is not None:
             self.settings.update(k=config.k, max_ngram=config.max_ngram)
 
-    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int | None,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> SampleRun:
         if len(prompt_ids) + max_new_tokens > self.llama.n_ctx():
             raise FlyspecError(
                 f"{self.name}: a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new "
@@ -380,6 +428,11 @@ class LlamaCppOwnMethod:
         tokens: list[int] = []
         self.llama.reset()
         started = time.perf_counter()
+        # The prompt but its last token first, timed apart, as flyspec's loop reads it: the
+        # binding's generate then reuses it and reads the last token with the first step.
+        if len(prompt_ids) > 1:
+            self.llama.eval(list(prompt_ids[:-1]))
+        prefill_seconds = time.perf_counter() - started
         for token in self.llama.generate(
             list(prompt_ids),
             temp=sampling.temperature,
@@ -399,7 +452,7 @@ class LlamaCppOwnMethod:
                     f"after {len(tokens)} new tokens (the binding holds {self.llama.n_tokens})"
                 )
         seconds = time.perf_counter() - started
-        return SampleRun(tokens, seconds)
+        return SampleRun(tokens, seconds, prefill_seconds=prefill_seconds)
 
 
 def make_method(

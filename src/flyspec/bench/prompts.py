@@ -17,18 +17,20 @@ from pathlib import Path
 
 from flyspec.errors import FlyspecError
 
-DATASET_NAMES = ("humaneval", "gsm8k", "mtbench")
+DATASET_NAMES = ("humaneval", "humaneval-edit", "gsm8k", "mtbench")
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
     """One prompt: chat ``messages`` (plus ``reply_prefix``, text that opens the assistant's
-    reply) or a ``raw`` text."""
+    reply) or a ``raw`` text; and the text its answer is expected to largely repeat
+    (``prediction``, Predicted Outputs; empty for none)."""
 
     id: str
     messages: tuple[dict, ...] = ()
     reply_prefix: str = ""
     raw: str = ""
+    prediction: str = ""
 
     @classmethod
     def from_text(cls, id: str, text: str, *, chat: bool) -> BenchPrompt:
@@ -46,24 +48,28 @@ class BenchPrompt:
             "messages": list(self.messages),
             "reply_prefix": self.reply_prefix,
             "raw": self.raw,
+            "prediction": self.prediction,
         }
 
 
 def build_prompt(item: object, *, chat: bool) -> BenchPrompt:
-    """The prompt for one dataset item: a HumanEval problem or GSM8K question (through the
-    eval task's own prompt), or an MT-Bench question (its first turn)."""
+    """The prompt for one dataset item: a HumanEval problem, a HumanEval edit or a GSM8K
+    question (through the eval task's own prompt), or an MT-Bench question (its first turn)."""
     from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem, MtBenchQuestion
+    from flyspec.evaluation.edits import EditProblem
 
-    if isinstance(item, (HumanEvalProblem, Gsm8kQuestion)):
+    tasks = {HumanEvalProblem: "humaneval", EditProblem: "humaneval-edit", Gsm8kQuestion: "gsm8k"}
+    if type(item) in tasks:
         from flyspec.evaluation.tasks import make_task
 
-        task = make_task("humaneval" if isinstance(item, HumanEvalProblem) else "gsm8k")
+        task = make_task(tasks[type(item)])
         prompt = task.prompt(item, chat=chat)
         return BenchPrompt(
             id=task.problem_id(item),
             messages=tuple(prompt.messages),
             reply_prefix=prompt.reply_prefix,
             raw=prompt.raw,
+            prediction=prompt.prediction,
         )
     if isinstance(item, MtBenchQuestion):
         return BenchPrompt.from_text(f"mtbench/{item.question_id}", item.turns[0], chat=chat)
@@ -76,6 +82,7 @@ def dataset_prompts(name: str, *, limit: int | None, chat: bool) -> list[BenchPr
 
     loaders = {
         "humaneval": datasets.load_humaneval,
+        "humaneval-edit": datasets.load_humaneval,
         "gsm8k": datasets.load_gsm8k,
         "mtbench": datasets.load_mtbench,
     }
@@ -84,6 +91,10 @@ def dataset_prompts(name: str, *, limit: int | None, chat: bool) -> list[BenchPr
     items = loaders[name]()
     if limit is not None:
         items = items[:limit]
+    if name == "humaneval-edit":
+        from flyspec.evaluation.edits import build_edit_problems
+
+        items = build_edit_problems(items)
     return [build_prompt(item, chat=chat) for item in items]
 
 
@@ -128,3 +139,10 @@ def encode_prompt(tokenizer, prompt: BenchPrompt) -> list[int]:
 
 def encode_prompts(tokenizer, prompts: Sequence[BenchPrompt]) -> list[list[int]]:
     return [encode_prompt(tokenizer, prompt) for prompt in prompts]
+
+
+def encode_prediction(tokenizer, prompt: BenchPrompt) -> list[int] | None:
+    """Token ids of a prompt's prediction, as answer text is tokenized (None without one)."""
+    if not prompt.prediction:
+        return None
+    return list(tokenizer.encode(prompt.prediction, add_special_tokens=False))

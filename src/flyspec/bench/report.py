@@ -187,6 +187,7 @@ def sample_records(
             peak_rss_bytes=run.peak_rss_bytes,
             state_bytes=run.state_bytes,
             touched_bytes=run.touched_bytes,
+            prefill_seconds=run.prefill_seconds,
         )
         for index, run in enumerate(runs)
     ]
@@ -205,8 +206,12 @@ def sample_record(
     peak_rss_bytes: int = 0,
     state_bytes: int = 0,
     touched_bytes: int = 0,
+    prefill_seconds: float | None = None,
 ) -> dict:
+    """One run's record; ``decode_tokens_per_second`` is its speed once the prompt was read
+    (all but its last token: ``prefill_seconds``), None where the method does not say."""
     divergence = first_divergence(token_ids, target_token_ids)
+    decoding = None if prefill_seconds is None else seconds - prefill_seconds
     return {
         "peak_rss_bytes": peak_rss_bytes,
         "state_bytes": state_bytes,
@@ -217,6 +222,10 @@ def sample_record(
         "new_tokens": len(token_ids),
         "seconds": round(seconds, 4),
         "tokens_per_second": round(len(token_ids) / seconds, 4) if seconds > 0 else 0.0,
+        "prefill_seconds": None if prefill_seconds is None else round(prefill_seconds, 4),
+        "decode_tokens_per_second": (
+            round(len(token_ids) / decoding, 4) if decoding is not None and decoding > 0 else None
+        ),
         "identical_to_target": divergence is None,
         "first_divergence": divergence,
         "stats": stats,
@@ -271,6 +280,9 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     over_llamacpp = baseline != "llamacpp-target" and any(
         s.get("speedup_over_llamacpp") is not None for s in summaries
     )
+    decoding_over_llamacpp = any(
+        s.get("decode_speedup_over_llamacpp") is not None for s in summaries
+    )
     header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
         f"| verifying s | = {baseline} | own memory GiB | process peak GiB |"
@@ -278,6 +290,9 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if over_llamacpp:
         header += " over llamacpp-target |"
+        rule += "---:|"
+    if decoding_over_llamacpp:
+        header += " decoding over llamacpp-target |"
         rule += "---:|"
     if concurrent:
         header += " tok/s in flight |"
@@ -301,6 +316,8 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
         ]
         if over_llamacpp:
             cells.append(_with_range(s.get("speedup_over_llamacpp"), None, "x"))
+        if decoding_over_llamacpp:
+            cells.append(_with_range(s.get("decode_speedup_over_llamacpp"), None, "x"))
         if concurrent:
             cells.append(_cell(s.get("concurrent_tokens_per_second"), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")

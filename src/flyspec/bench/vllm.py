@@ -178,7 +178,14 @@ class VllmMethod:
         results = [(new_tokens(c), c.finish_reason or "") for c in completions]
         return results, seconds, read_spec_decode_stats(self.llm) - before
 
-    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, seed: int | None) -> SampleRun:
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        seed: int | None,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> SampleRun:
         before = read_spec_decode_stats(self.llm)
         params = self._params(max_new_tokens=max_new_tokens, seed=seed)
         started = time.perf_counter()

@@ -20,7 +20,7 @@ from flyspec.cli.options import (
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
-from flyspec.evaluation.run import PROMPT_STYLES, TASKS
+from flyspec.evaluation.run import DEFAULT_TASKS, PROMPT_STYLES, TASKS
 
 DEFAULT_MODES = "target,spd,fly"
 
@@ -111,13 +111,14 @@ def add_evaluation_arguments(
         "--max-new-tokens",
         type=int,
         default=None,
-        help="token budget per generation (default: humaneval 384, gsm8k 384)",
+        help="token budget per generation (default: humaneval 384, humaneval-edit 512, gsm8k 384)",
     )
     parser.add_argument(
         "--task",
         action="append",
         default=None,
-        help="humaneval and/or gsm8k, comma-separated or repeated (default: both)",
+        help="humaneval, humaneval-edit (edits of working code, with Predicted Outputs) and/or "
+        "gsm8k, comma-separated or repeated (default: humaneval and gsm8k)",
     )
     parser.add_argument(
         "--limit",
@@ -237,7 +238,7 @@ def evaluation_settings(args: argparse.Namespace, modes: list[str], *, limit: st
         **{name: values[0] for name, values in rules.items()},
     )
     settings = EvalSettings(
-        tasks=list(dict.fromkeys(_split(args.task))) or list(TASKS),
+        tasks=list(dict.fromkeys(_split(args.task))) or list(DEFAULT_TASKS),
         methods=build_methods(modes, base.fly, rules),  # every combination validated
         limits=_limits(args.limit or limit),
         max_new_tokens=args.max_new_tokens,

@@ -329,6 +329,14 @@ def add_decode_arguments(
             ),
         ),
         (
+            ("--loosen-predicted",),
+            dict(
+                action="store_true",
+                help="with a prediction (Predicted Outputs): FLy's rule applies to the tokens "
+                "drafted from it too (default: they are verified exactly)",
+            ),
+        ),
+        (
             ("--no-calibration",),
             dict(
                 action="store_true",
@@ -401,6 +409,7 @@ def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConf
             "max_new_tokens",
             "draft_temperature",
             "draft_confidence",
+            "loosen_predicted",
         )
         if name in values
     }

@@ -256,6 +256,8 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
             "--stop, --draft-temperature and --draft-confidence are not mapped onto vLLM "
             "(send stop strings with each request)"
         )
+    if defaults.loosen_predicted:
+        raise FlyspecError("--loosen-predicted: vLLM has no Predicted Outputs")
     spec = vllm_engine_spec(args, defaults, mode=defaults.mode)
     sampling = defaults.sampling
     generation = {"temperature": sampling.temperature, "max_new_tokens": defaults.max_new_tokens}

@@ -12,11 +12,16 @@ from flyspec.drafters.base import Draft, end_index
 
 
 def find_ngram_continuation(
-    context: Sequence[int] | np.ndarray, *, k: int, max_ngram: int = DEFAULT_MAX_NGRAM
+    context: Sequence[int] | np.ndarray,
+    *,
+    k: int,
+    max_ngram: int = DEFAULT_MAX_NGRAM,
+    min_ngram: int = 1,
 ) -> list[int]:
     """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix n-gram.
 
-    n runs from ``max_ngram`` down to 1; the first n with an earlier occurrence wins. Among
+    n runs from ``max_ngram`` down to ``min_ngram``; the first n with an earlier occurrence
+    wins. Among
     its occurrences the most recent one with ``k`` tokens after it is used, else the earliest
     (the longest continuation there is). Returns ``[]`` when no suffix recurs.
     """
@@ -24,7 +29,7 @@ def find_ngram_continuation(
     length = tokens.shape[0]
     if k < 1 or length < 2:
         return []
-    for n in range(min(max_ngram, length - 1), 0, -1):
+    for n in range(min(max_ngram, length - 1), max(min_ngram, 1) - 1, -1):
         suffix = tokens[length - n :]
         # Windows start at j = 0 .. length-1-n, so a continuation token tokens[j+n] exists.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)

@@ -8,7 +8,8 @@ prediction (an edit), the place is found again from the answer's last tokens: th
 its tail n-grams (``min_match`` tokens at least) that occurs in the prediction, at the
 occurrence nearest to where the answer would stand had it followed the prediction. Until it
 is found again, and after the prediction's end, blocks come from prompt lookup in the context
-and then from the ``fallback`` drafter (the draft model: MLA's idea, cheap proposals first).
+(from a tail of ``min_match`` tokens at least) and then from the ``fallback`` drafter (the
+draft model: MLA's idea, cheap proposals first); with neither, the round drafts nothing.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class PredictionDrafter:
         place = self.place(context)
         if place is not None:
             return "prediction" if place.sure else "prediction-found"
-        if find_ngram_continuation(context, k=1, max_ngram=self.max_ngram):
+        if self._look_up(context, 1):
             return "lookup"
         return "model" if self.fallback is not None else "lookup"
 
@@ -161,13 +162,23 @@ class PredictionDrafter:
             if ends_at is not None:
                 tokens = tokens[: ends_at + 1]
             return Draft(tokens=torch.tensor(tokens, dtype=torch.long), source="prediction")
-        looked_up = find_ngram_continuation(context, k=k, max_ngram=self.max_ngram)
+        looked_up = self._look_up(context, k)
         if looked_up or self.fallback is None:
             ends_at = end_index(looked_up, self.end_tokens)
             if ends_at is not None:
                 looked_up = looked_up[: ends_at + 1]
             return Draft(tokens=torch.tensor(looked_up, dtype=torch.long), source="lookup")
         return self.fallback.propose(context, k)
+
+    def _look_up(self, context: Sequence[int], k: int) -> list[int]:
+        """Prompt lookup from a tail of ``min_match`` tokens at least: a shorter one, in
+        code, matches almost anywhere."""
+        return find_ngram_continuation(
+            context,
+            k=k,
+            max_ngram=max(self.max_ngram, self.min_match),
+            min_ngram=self.min_match,
+        )
 
     def observe(self, num_drafted: int, num_kept: int) -> None:
         observe = getattr(self.fallback, "observe", None)

@@ -8,7 +8,8 @@ SHA-256 of everything that decides the generated text:
   the sizes of the weight files, hashes of the small config/tokenizer files and of flyspec's
   install marker); the draft model only where the method uses it;
 * the weights' dtype and device;
-* the prompt's token ids, the task's prompt/stop-rule version;
+* the prompt's token ids, the task's prompt/stop-rule version, and the prediction's token ids
+  where the request has one (Predicted Outputs) and drafts;
 * the decoding settings that can change the text (:func:`flyspec.decode.text_settings`),
   without the token budget: an entry made under another ``max_new_tokens`` is reused when
   :func:`reusable` shows the budget cannot have changed its text (a greedy generation that
@@ -70,10 +71,12 @@ def generation_key(
     dtype: str,
     device: str,
     kernels: dict | None = None,
+    prediction_ids: Sequence[int] | None = None,
 ) -> str:
     """The cache key of one generation. ``kernels`` (``Engine.kernels``: Linear kernels,
     quantisation, forward paths) is part of it because those change rounding and so, in
-    near-ties, the text; the draft's entries count only where a draft model is used."""
+    near-ties, the text; the draft's entries count only where a draft model is used. A
+    prediction (Predicted Outputs) counts where something is drafted from it."""
     kernels = dict(kernels or {})
     if not config.uses_draft_model:
         kernels = {name: value for name, value in kernels.items() if not name.startswith("draft")}
@@ -88,6 +91,8 @@ def generation_key(
         "prompt_ids": list(prompt_ids),
         "decoding": decoding_identity(config),
     }
+    if prediction_ids is not None and config.mode != "target":
+        payload["prediction_ids"] = list(prediction_ids)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from flyspec.evaluation.runner import EvalMethod
     from flyspec.integrations.vllm.launch import VllmEngineSpec
 
-TASKS = ("humaneval", "gsm8k")
+TASKS = ("humaneval", "humaneval-edit", "gsm8k")
+DEFAULT_TASKS = ("humaneval", "gsm8k")
 PROMPT_STYLES = ("auto", "chat", "raw")
 
 
@@ -85,7 +86,7 @@ def run_evaluation(
     from flyspec.evaluation.tasks import load_problems, make_task
 
     sandbox = None
-    if "humaneval" in settings.tasks:
+    if any(name.startswith("humaneval") for name in settings.tasks):
         from flyspec.evaluation.sandbox import sandbox_info
 
         # Before anything is written or loaded: a bad FLYSPEC_SANDBOX is a one-line error.
@@ -118,6 +119,8 @@ def run_evaluation(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(vllm_spec.target)
+        if "humaneval-edit" in settings.tasks:
+            _say("vLLM has no Predicted Outputs: its edits are generated without the prediction")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     chat = has_template if settings.prompt_style == "auto" else settings.prompt_style == "chat"
     if chat and not has_template:

@@ -172,9 +172,16 @@ class EngineIdentity:
     device: str
     kernels: dict
 
-    def generation_key(self, task: Task, prompt_ids: Sequence[int], config: DecodeConfig) -> str:
+    def generation_key(
+        self,
+        task: Task,
+        prompt_ids: Sequence[int],
+        config: DecodeConfig,
+        prediction_ids: Sequence[int] | None = None,
+    ) -> str:
         """The cache key of one generation by this engine."""
         return generation_key(
+            prediction_ids=prediction_ids,
             task_version=task.version,
             prompt_ids=prompt_ids,
             config=config,
@@ -230,18 +237,22 @@ def evaluate(
             task = run.task
             for problem in run.problems:
                 problem_id = task.problem_id(problem)
-                prompt_ids = task.prompt(problem, chat=chat).token_ids(engine.tokenizer)
+                prompt = task.prompt(problem, chat=chat)
+                prompt_ids = prompt.token_ids(engine.tokenizer)
+                prediction_ids = prompt.prediction_ids(engine.tokenizer)
                 for method in methods:
                     bar.set_postfix_str(f"{problem_id} {method.name}", refresh=False)
                     config = run.config(method, base, chat=chat)
-                    key = identity.generation_key(task, prompt_ids, config)
+                    key = identity.generation_key(task, prompt_ids, config, prediction_ids)
                     entry = cache.get(key, config)
                     cached = entry is not None
                     if entry is None:
                         if config.mode not in warmed:
                             _warm_up(engine, prompt_ids, config)
                             warmed.add(config.mode)
-                        entry = _generate(engine, prompt_ids, config, task.is_complete)
+                        entry = _generate(
+                            engine, prompt_ids, config, task.is_complete, prediction_ids
+                        )
                         entry.update(
                             task=task.name,
                             task_version=task.version,
@@ -278,15 +289,20 @@ def _warm_up(engine, prompt_ids: Sequence[int], config: DecodeConfig) -> None:
 
 
 def _generate(
-    engine, prompt_ids: Sequence[int], config: DecodeConfig, is_complete: Callable[[str], bool]
+    engine,
+    prompt_ids: Sequence[int],
+    config: DecodeConfig,
+    is_complete: Callable[[str], bool],
+    prediction_ids: Sequence[int] | None = None,
 ) -> dict:
-    """One generation, stopped early once the task says the answer is complete."""
+    """One generation, stopped early once the task says the answer is complete; drafted from
+    ``prediction_ids`` first where the task gives a prediction."""
     stats = RequestStats()
     pieces: list[str] = []
     token_ids: list[int] = []
     text = ""
     answered = False
-    stream = engine.stream(prompt_ids, config, stats=stats)
+    stream = engine.stream(prompt_ids, config, stats=stats, prediction=prediction_ids)
     try:
         for chunk in stream:
             if chunk.token is not None:

@@ -24,8 +24,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Protocol
 
 from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
+from flyspec.errors import FlyspecError
+from flyspec.evaluation.edits import EDIT_REQUEST, REPLY_PREFIX, EditProblem, run_tests
 
-TASK_NAMES: tuple[str, ...] = ("humaneval", "gsm8k")
+TASK_NAMES: tuple[str, ...] = ("humaneval", "humaneval-edit", "gsm8k")
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,13 @@ class Outcome:
 @dataclass(frozen=True)
 class Prompt:
     """The text sent to the model: chat messages (plus text that opens the assistant's reply)
-    or a raw prompt."""
+    or a raw prompt; and the text the answer is expected to largely repeat (``prediction``,
+    for Predicted Outputs; empty for none)."""
 
     messages: tuple[dict, ...] = ()
     reply_prefix: str = ""
     raw: str = ""
+    prediction: str = ""
 
     def token_ids(self, tokenizer) -> list[int]:
         if self.messages:
@@ -54,6 +58,12 @@ class Prompt:
             )
             return list(tokenizer.encode(text + self.reply_prefix, add_special_tokens=False))
         return list(tokenizer.encode(self.raw, add_special_tokens=True))
+
+    def prediction_ids(self, tokenizer) -> list[int] | None:
+        """Token ids of the prediction, as answer text is tokenized; None without one."""
+        if not self.prediction:
+            return None
+        return list(tokenizer.encode(self.prediction, add_special_tokens=False))
 
 
 class Task(Protocol):
@@ -139,7 +149,7 @@ class HumanEvalTask:
         check = Check(
             tests=problem.test,
             entry_point=problem.entry_point,
-            prelude=_sanitize(problem.prompt),  # helpers some tests call (e.g. HumanEval/32)
+            prelude=sanitize_code(problem.prompt),  # helpers some tests call (e.g. HumanEval/32)
         )
         result = run_sandboxed(
             extract_humaneval_code(problem.prompt, problem.entry_point, text),
@@ -167,7 +177,7 @@ def extract_humaneval_code(prompt: str, entry_point: str, completion: str) -> st
         source = prompt.rstrip() + "\n\n\n" + code.strip("\n") + "\n"
     else:
         source = prompt + _as_body(code)
-    return _sanitize(source)
+    return sanitize_code(source)
 
 
 def _fenced_code(text: str, entry_point: str) -> str:
@@ -194,7 +204,9 @@ def _as_body(code: str) -> str:
     return "\n".join(lines)
 
 
-def _sanitize(source: str) -> str:
+def sanitize_code(source: str) -> str:
+    """``source`` cut to its longest prefix that parses, with only its imports, definitions
+    and assignments kept (no prints, asserts or ``__main__`` blocks)."""
     tree = _parse_longest_prefix(source)
     if tree is None:
         return source  # a syntax error the sandbox will report
@@ -219,6 +231,50 @@ def _parse_longest_prefix(source: str) -> ast.Module | None:
             except (SyntaxError, ValueError):
                 continue
     return None
+
+
+@dataclass(frozen=True)
+class HumanEvalEditTask:
+    """HumanEval's problems as edits of their working code (:mod:`flyspec.evaluation.edits`),
+    with that code as the prediction; pass@1 of the edited function, in the sandbox."""
+
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    name: str = "humaneval-edit"
+    version: str = "humaneval-edit-v1"
+    default_limit: int = 40
+    default_max_new_tokens: int = 512
+
+    def problem_id(self, edit: EditProblem) -> str:
+        return edit.task_id
+
+    def prompt(self, edit: EditProblem, *, chat: bool) -> Prompt:
+        if not chat:
+            raise FlyspecError(f"the {self.name} task asks for an edit in a chat: drop --no-chat")
+        request = EDIT_REQUEST.format(instruction=edit.instruction, code=edit.code)
+        return Prompt(
+            messages=({"role": "user", "content": request},),
+            reply_prefix=REPLY_PREFIX,
+            prediction=edit.code,
+        )
+
+    def stop_strings(self, *, chat: bool) -> tuple[str, ...]:
+        return ("\n```",)
+
+    def is_complete(self, text: str) -> bool:
+        return False
+
+    def program(self, edit: EditProblem, text: str) -> str:
+        """The edited code with the problem's tests and the check call, as one file."""
+        problem = edit.problem
+        code = sanitize_code(_fenced_code(text, problem.entry_point))
+        return f"{code}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+    def score(self, edit: EditProblem, text: str, *, chat: bool) -> Outcome:
+        """HumanEval's tests on the edited function (the reply's code), in the sandbox."""
+        code = _fenced_code(text, edit.problem.entry_point)
+        result = run_tests(edit.problem, code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        return Outcome(result.passed, result.status, result.detail[-600:])
 
 
 # ------------------------------------------------------------------------------------ GSM8K
@@ -312,6 +368,8 @@ def extract_gsm8k_answer(text: str) -> str | None:
 def make_task(name: str, *, timeout_s: float = 10.0, memory_mb: int = 1024) -> Task:
     if name == "humaneval":
         return HumanEvalTask(timeout_s=timeout_s, memory_mb=memory_mb)
+    if name == "humaneval-edit":
+        return HumanEvalEditTask(timeout_s=timeout_s, memory_mb=memory_mb)
     if name == "gsm8k":
         return Gsm8kTask()
     raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)}")
@@ -321,5 +379,10 @@ def load_problems(name: str, limit: int | None) -> Sequence:
     """The first ``limit`` problems of a task's dataset (installing it when needed)."""
     from flyspec.datasets import load_gsm8k, load_humaneval
 
+    if name == "humaneval-edit":
+        from flyspec.evaluation.edits import build_edit_problems
+
+        chosen = load_humaneval() if limit is None else load_humaneval()[:limit]
+        return build_edit_problems(chosen)
     problems = load_humaneval() if name == "humaneval" else load_gsm8k()
     return problems if limit is None else problems[:limit]

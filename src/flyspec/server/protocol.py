@@ -6,7 +6,8 @@ Standard OpenAI fields the server does not implement are accepted only at their 
 (``presence_penalty: 0``, ``logprobs: null`` ...), and refused otherwise.
 
 ``prediction`` (Predicted Outputs) is OpenAI's ``{"type": "content", "content": ...}``, the
-content a string or a list of text parts; it is read as its text.
+content a string or a list of text parts; it is read as its text. ``loosen_predicted``
+(extension) lets FLy's rule apply to the tokens drafted from it.
 
 FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
 ``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, the rules
@@ -264,6 +265,7 @@ class _Request(BaseModel):
     max_rank: int | None = None
     max_draft_confidence: float | None = None
     defer: bool | None = None
+    loosen_predicted: bool | None = None
     top_k: int | None = None
 
     @field_validator("stop", mode="before")

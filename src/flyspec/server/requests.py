@@ -21,7 +21,17 @@ _RULE_FIELDS = tuple(field.name for field in dataclasses.fields(FlyConfig))
 _CONFIG_PARAMS = {
     **{
         name: name
-        for name in ("mode", "drafter", "k", *_RULE_FIELDS, "temperature", "top_k", "top_p", "stop")
+        for name in (
+            "mode",
+            "drafter",
+            "k",
+            *_RULE_FIELDS,
+            "temperature",
+            "top_k",
+            "top_p",
+            "stop",
+            "loosen_predicted",
+        )
     },
     "max_new_tokens": "max_tokens",
 }
@@ -56,6 +66,7 @@ def request_config(
             mode=pick(body.mode, defaults.mode),
             drafter=pick(body.drafter, defaults.drafter),
             k=pick(body.k, defaults.k),
+            loosen_predicted=pick(body.loosen_predicted, defaults.loosen_predicted),
             max_new_tokens=max_new_tokens,
             fly=fly,
             sampling=sampling,
