@@ -76,3 +76,65 @@ def test_the_library_gives_the_commands_tokens(results, capsys):
     gc.collect()  # the command's own copy of the pair
     printed = json.loads(capsys.readouterr().out)
     assert printed["token_ids"] == fly.token_ids
+
+
+EDIT_CODE = """def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+"""
+
+
+def test_an_openai_client_with_a_prediction_gets_the_same_text_and_its_counts():
+    """Exact decoding on the real pair through the server: a request that sends the code it
+    edits as its prediction gets the text of the request without one, with the usage's
+    prediction counts filled in."""
+    import openai
+
+    from flyspec.server.app import create_app
+    from tests.test_server import running
+
+    engine = load_default_engine()
+    try:
+        app = create_app(
+            engine,
+            defaults=DecodeConfig(mode="spd", drafter="ngram", max_new_tokens=MAX_NEW_TOKENS),
+            model_name="default",
+            queue_size=2,
+            request_timeout=600,
+        )
+        request = {
+            "model": "default",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": f"Add type hints to this function:\n```python\n{EDIT_CODE}```",
+                }
+            ],
+            "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0,
+        }
+        with running(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            plain = client.chat.completions.create(**request)
+            predicted = client.chat.completions.create(
+                **request, prediction={"type": "content", "content": EDIT_CODE}
+            )
+            streamed = list(
+                client.chat.completions.create(
+                    **request,
+                    prediction={"type": "content", "content": EDIT_CODE},
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+    finally:
+        del engine
+        gc.collect()
+    text = plain.choices[0].message.content
+    assert predicted.choices[0].message.content == text
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert streamed[-1].usage.completion_tokens_details == details

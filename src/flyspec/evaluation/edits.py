@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from flyspec.datasets import HumanEvalProblem
 from flyspec.errors import FlyspecError
+from flyspec.evaluation.code import run_humaneval_tests
 
 EDIT_KINDS: tuple[str, ...] = ("types", "rename", "restructure", "bugfix")
 
@@ -218,26 +219,6 @@ def injected_bug(problem: HumanEvalProblem, *, timeout_s: float = 5.0) -> str | 
     """The first of :func:`bug_candidates` (at most :data:`MAX_BUG_TRIES`) whose function
     fails the problem's tests in the sandbox, or None."""
     for source in bug_candidates(problem)[:MAX_BUG_TRIES]:
-        if not run_tests(problem, source, timeout_s=timeout_s).passed:
+        if not run_humaneval_tests(problem, source, timeout_s=timeout_s).passed:
             return source
     return None
-
-
-def run_tests(
-    problem: HumanEvalProblem, code: str, *, timeout_s: float = 10.0, memory_mb: int = 1024
-):
-    """HumanEval's tests of ``problem`` on the functions of ``code``, in the sandbox: its
-    :class:`~flyspec.evaluation.sandbox.SandboxResult`. The tests run in the sandbox's trusted
-    supervisor, which calls the function with plain values."""
-    from flyspec.evaluation.sandbox import Check, run_sandboxed
-    from flyspec.evaluation.tasks import sanitize_code
-
-    check = Check(
-        tests=problem.test,
-        entry_point=problem.entry_point,
-        prelude=sanitize_code(problem.prompt),  # helpers some tests call (e.g. HumanEval/32)
-    )
-    result = run_sandboxed(
-        sanitize_code(code), timeout_s=timeout_s, memory_mb=memory_mb, check=check
-    )
-    return result

@@ -15,9 +15,7 @@ prompt or the early-stop rule changes.
 
 from __future__ import annotations
 
-import ast
 import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -25,7 +23,13 @@ from typing import Protocol
 
 from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
 from flyspec.errors import FlyspecError
-from flyspec.evaluation.edits import EDIT_REQUEST, REPLY_PREFIX, EditProblem, run_tests
+from flyspec.evaluation.code import (
+    extract_humaneval_code,
+    fenced_code,
+    run_humaneval_tests,
+    sanitize_code,
+)
+from flyspec.evaluation.edits import EDIT_REQUEST, REPLY_PREFIX, EditProblem
 
 TASK_NAMES: tuple[str, ...] = ("humaneval", "humaneval-edit", "gsm8k")
 
@@ -89,16 +93,6 @@ HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the completed code in one ```python "
     "block, without tests or usage examples.\n\n```python\n{prompt}```"
 )
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
-_KEPT_NODES = (
-    ast.Import,
-    ast.ImportFrom,
-    ast.FunctionDef,
-    ast.AsyncFunctionDef,
-    ast.ClassDef,
-    ast.Assign,
-    ast.AnnAssign,
-)
 
 
 @dataclass(frozen=True)
@@ -141,96 +135,15 @@ class HumanEvalTask:
         return f"{code}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
     def score(self, problem: HumanEvalProblem, text: str, *, chat: bool) -> Outcome:
-        """Run the completed function in the sandbox and the problem's tests in its trusted
-        supervisor, which calls the function with plain values: the generated code cannot
-        reach the tests, so it cannot fake a pass."""
-        from flyspec.evaluation.sandbox import Check, run_sandboxed
-
-        check = Check(
-            tests=problem.test,
-            entry_point=problem.entry_point,
-            prelude=sanitize_code(problem.prompt),  # helpers some tests call (e.g. HumanEval/32)
-        )
-        result = run_sandboxed(
+        """Run the completed function in the sandbox against the problem's tests
+        (:func:`~flyspec.evaluation.code.run_humaneval_tests`)."""
+        result = run_humaneval_tests(
+            problem,
             extract_humaneval_code(problem.prompt, problem.entry_point, text),
             timeout_s=self.timeout_s,
             memory_mb=self.memory_mb,
-            check=check,
         )
         return Outcome(result.passed, result.status, result.detail[-600:])
-
-
-def extract_humaneval_code(prompt: str, entry_point: str, completion: str) -> str:
-    """Complete source code for a HumanEval problem from a model's completion.
-
-    The completion may be a bare function body continuing ``prompt`` (indented or not), a full
-    definition of ``entry_point`` repeating the signature, or either of those inside a fenced
-    ```python block with text around it. Top-level statements other than imports,
-    definitions and assignments (prints, asserts, ``if __name__ == "__main__":`` blocks) are
-    dropped, and a completion cut off by the token limit is shortened to its longest prefix
-    that parses.
-    """
-    code = _fenced_code(completion, entry_point)
-    definition = re.compile(rf"^(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
-    if definition.search(code):
-        # Keep the prompt first: its imports and helper functions may not be repeated.
-        source = prompt.rstrip() + "\n\n\n" + code.strip("\n") + "\n"
-    else:
-        source = prompt + _as_body(code)
-    return sanitize_code(source)
-
-
-def _fenced_code(text: str, entry_point: str) -> str:
-    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
-    if not blocks:
-        return text
-    python = [body for lang, body in blocks if lang in ("python", "py", "python3", "")]
-    candidates = python or [body for _, body in blocks]
-    for body in candidates:
-        if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", body):
-            return body
-    # Text before the first fence may itself be the body (the reply was opened inside a block).
-    before = text[: text.find("```")]
-    if before.strip():
-        return before
-    return candidates[0]
-
-
-def _as_body(code: str) -> str:
-    lines = code.split("\n")
-    first = next((line for line in lines if line.strip()), "")
-    if first and not first[0].isspace():
-        lines = ["    " + line if line.strip() else line for line in lines]
-    return "\n".join(lines)
-
-
-def sanitize_code(source: str) -> str:
-    """``source`` cut to its longest prefix that parses, with only its imports, definitions
-    and assignments kept (no prints, asserts or ``__main__`` blocks)."""
-    tree = _parse_longest_prefix(source)
-    if tree is None:
-        return source  # a syntax error the sandbox will report
-    lines = source.split("\n")
-    kept: list[str] = []
-    for node in tree.body:
-        if not isinstance(node, _KEPT_NODES):
-            continue
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        kept.extend(lines[start - 1 : node.end_lineno])
-        kept.append("")
-    return "\n".join(kept)
-
-
-def _parse_longest_prefix(source: str) -> ast.Module | None:
-    lines = source.split("\n")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. SyntaxWarning on odd literals in broken code
-        for end in range(len(lines), 0, -1):
-            try:
-                return ast.parse("\n".join(lines[:end]))
-            except (SyntaxError, ValueError):
-                continue
-    return None
 
 
 @dataclass(frozen=True)
@@ -267,13 +180,15 @@ class HumanEvalEditTask:
     def program(self, edit: EditProblem, text: str) -> str:
         """The edited code with the problem's tests and the check call, as one file."""
         problem = edit.problem
-        code = sanitize_code(_fenced_code(text, problem.entry_point))
+        code = sanitize_code(fenced_code(text, problem.entry_point))
         return f"{code}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
     def score(self, edit: EditProblem, text: str, *, chat: bool) -> Outcome:
         """HumanEval's tests on the edited function (the reply's code), in the sandbox."""
-        code = _fenced_code(text, edit.problem.entry_point)
-        result = run_tests(edit.problem, code, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        code = fenced_code(text, edit.problem.entry_point)
+        result = run_humaneval_tests(
+            edit.problem, code, timeout_s=self.timeout_s, memory_mb=self.memory_mb
+        )
         return Outcome(result.passed, result.status, result.detail[-600:])
 
 
