@@ -280,6 +280,42 @@ class AutoKPolicies:
         return policy
 
 
+class RequestAutoK:
+    """``-k auto`` within one request: before each round, the policy of the kind of block the
+    drafter plans (its ``plan(context)``, else the configured drafter's kind) chooses K; after
+    it, that policy learns the round's costs and, once committed, its acceptance. A deferred
+    window is settled by the next round: the policy that chose the deferring round learns it
+    then."""
+
+    def __init__(self, policies: AutoKPolicies, config, *, plan=None) -> None:
+        self.policies = policies
+        self.config = config
+        self.plan = plan
+        self.kind = "lookup" if config.drafter == "ngram" else "model"
+        self._policy: AutoK | None = None
+        self._chose: dict[int, AutoK] = {}  # round slot -> the policy that chose its block
+
+    def choose(self, context: Sequence[int], limit: int, *, at_least: int = 0) -> int:
+        """K for the next round (at most ``limit``, at least ``at_least``)."""
+        if self.plan is not None:
+            self.kind = self.plan(context)
+        self._policy = self.policies.policy(self.config, self.kind)
+        return self._policy.choose(limit, at_least=at_least)
+
+    def observe_costs(self, *, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
+        self._policy.observe_costs(
+            drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
+        )
+
+    def observe_committed(self, rounds: Sequence[RoundStats], *, settled: int | None) -> None:
+        """The last of ``rounds`` was committed, settling the deferral of round ``settled``
+        (None: there was none)."""
+        self._chose[len(rounds) - 1] = self._policy
+        self._policy.observe_round(rounds[-1])
+        if settled is not None:
+            self._chose[settled].observe_round(rounds[settled])
+
+
 def _smooth(before: float, measured: float) -> float:
     return measured if before <= 0 else (1 - COST_SMOOTHING) * before + COST_SMOOTHING * measured
 

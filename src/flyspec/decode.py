@@ -13,7 +13,13 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from flyspec.auto_k import AutoKPolicies, ForwardCosts, measure_block_costs, probe_sizes
+from flyspec.auto_k import (
+    AutoKPolicies,
+    ForwardCosts,
+    RequestAutoK,
+    measure_block_costs,
+    probe_sizes,
+)
 from flyspec.config import DecodeConfig
 from flyspec.decode_state import (
     BusyClock,
@@ -156,7 +162,6 @@ class SpeculativeDecoder:
                 prompt_length=len(prompt_ids),
             )
         observe = getattr(drafter, "observe", None)
-        plan = getattr(drafter, "plan", None)
         clock = BusyClock()
 
         self.target.reset()
@@ -172,29 +177,26 @@ class SpeculativeDecoder:
             if own_drafter and config.uses_draft_model and not config.auto_k and not prediction:
                 self.draft.logits(progress.context[:-1])
         stats.prefill_seconds = clock.elapsed()
-        auto = config.auto_k and drafter is not None
-        if auto:
+        auto = None
+        if config.auto_k and drafter is not None:
             self._measure_auto_costs(progress.context, config, measure_draft=own_drafter)
-        default_kind = "lookup" if config.drafter == "ngram" else "model"
-        policy_of_round = {}  # -k auto: the policy that chose each round's block, by slot
+            auto = RequestAutoK(self.auto_k, config, plan=getattr(drafter, "plan", None))
 
         try:
             while progress.produced + progress.held_length < config.max_new_tokens:
                 remaining = config.max_new_tokens - progress.produced - progress.held_length
                 k = 0 if drafter is None else min(config.k, remaining - 1)
                 catch_up = 0.0
-                if auto:
-                    kind = default_kind if plan is None else plan(progress.context)
-                    policy = self.auto_k.policy(config, kind)
+                if auto is not None:
                     held_need = 0 if progress.held is None else progress.held.need
-                    k = policy.choose(k, at_least=held_need)
-                    if k > 0 and own_drafter and kind == "model" and config.uses_draft_model:
+                    k = auto.choose(progress.context, k, at_least=held_need)
+                    if k > 0 and own_drafter and auto.kind == "model" and config.uses_draft_model:
                         catch_up = self._catch_up_draft(progress.context)
                 step = self._round(progress.context, drafter, k, config, target_generator)
                 if observe is not None and len(step.draft):
                     observe(len(step.draft), step.verdict.num_kept)
-                if auto:
-                    policy.observe_costs(
+                if auto is not None:
+                    auto.observe_costs(
                         drafted=len(step.draft),
                         draft_seconds=step.draft_seconds,
                         verify_seconds=step.verify_seconds,
@@ -202,11 +204,8 @@ class SpeculativeDecoder:
                     step = dataclasses.replace(step, draft_seconds=step.draft_seconds + catch_up)
                 deferring_slot = None if progress.held is None else progress.held.round_slot
                 events, finished = self._commit(step, progress, config, drafter, stats)
-                if auto:  # acceptance as committed: a deferral once it is settled
-                    policy_of_round[len(stats.rounds) - 1] = policy
-                    policy.observe_round(stats.rounds[-1])
-                    if deferring_slot is not None:
-                        policy_of_round[deferring_slot].observe_round(stats.rounds[deferring_slot])
+                if auto is not None:  # acceptance as committed: a deferral once it is settled
+                    auto.observe_committed(stats.rounds, settled=deferring_slot)
                 yield from deliver(events, stats, clock)
                 if finished:
                     stats.finish_reason = "stop"
