@@ -139,6 +139,25 @@ def test_exact_speculative_decoding_on_llamacpp_equals_its_greedy_decoding(tiny_
     assert max(r.drafted for r in speculative.stats.rounds) <= config.k
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(mode="spd", drafter="ngram", k=6, max_new_tokens=40),
+        DecodeConfig(mode="spd", k=6, max_new_tokens=40, auto_k=True),
+    ],
+    ids=["ngram", "model-auto"],
+)
+def test_a_prediction_on_llamacpp_keeps_its_greedy_text(tiny_engine, config):
+    """Predicted Outputs on llama.cpp's forwards: a prediction with two tokens changed gives
+    the target's greedy tokens, with prompt lookup or the draft model behind it."""
+    ids = tiny_engine.encode(PROMPT)
+    greedy = tiny_engine.generate(ids, config.with_updates(mode="target")).token_ids
+    prediction = greedy[:12] + [greedy[12] + 1, greedy[13] + 1] + greedy[14:]
+    predicted = tiny_engine.generate(ids, config, prediction=prediction)
+    assert predicted.token_ids == greedy
+    assert predicted.stats.accepted_prediction_tokens > 0
+
+
 def test_the_engine_on_llamacpp_names_its_backend_and_ends_at_eos(tiny_engine, tiny_ggufs):
     assert tiny_engine.backend == "llamacpp"
     assert tiny_engine.kernels["backend"] == "llamacpp"
@@ -189,6 +208,10 @@ def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_engine):
     assert summaries["llamacpp-ngram@2"]["settings"]["k"] == 2
     assert "tau" not in summaries["llamacpp-target"]
     assert report["config"]["baseline"] == "llamacpp-target"
+    target = summaries["llamacpp-target"]
+    assert target["decode_speedup_over_llamacpp"] == pytest.approx(1.0)
+    for record in report["samples"]["llamacpp-target"]:
+        assert 0 < record["prefill_seconds"] < record["seconds"]
 
 
 def test_the_commands_run_on_gguf_files(capsys, monkeypatch, tmp_path, tiny_ggufs):
