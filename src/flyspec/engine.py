@@ -276,11 +276,10 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prediction(self, prediction: str) -> list[int]:
-        """Token ids of a predicted answer (Predicted Outputs), tokenized as answer text is:
-        no special tokens added."""
+        """Token ids of a predicted answer (:func:`prediction_token_ids`)."""
         if not prediction:
             raise FlyspecError("the prediction is empty")
-        return list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        return prediction_token_ids(self.tokenizer, prediction)
 
     def check_prediction(self, prompt_ids: Sequence[int], prediction_ids: Sequence[int]) -> None:
         """FlyspecError unless the prediction fits in the context after the prompt (the
@@ -372,6 +371,12 @@ class Engine:
         return GenerationResult(
             text="".join(pieces), token_ids=token_ids, origins=origins, stats=stats
         )
+
+
+def prediction_token_ids(tokenizer, prediction: str) -> list[int]:
+    """Token ids of a predicted answer (Predicted Outputs), tokenized as answer text is: no
+    special tokens added."""
+    return list(tokenizer.encode(prediction, add_special_tokens=False))
 
 
 def eos_token_ids(tokenizer, model: torch.nn.Module | LanguageModel) -> set[int]:

@@ -143,6 +143,6 @@ def encode_prompts(tokenizer, prompts: Sequence[BenchPrompt]) -> list[list[int]]
 
 def encode_prediction(tokenizer, prompt: BenchPrompt) -> list[int] | None:
     """Token ids of a prompt's prediction, as answer text is tokenized (None without one)."""
-    if not prompt.prediction:
-        return None
-    return list(tokenizer.encode(prompt.prediction, add_special_tokens=False))
+    from flyspec.engine import prediction_token_ids
+
+    return prediction_token_ids(tokenizer, prompt.prediction) if prompt.prediction else None

@@ -71,6 +71,12 @@ def first_unconfident(confidence: torch.Tensor, min_confidence: float) -> int | 
     return int(unconfident[0, 0]) if unconfident.numel() else None
 
 
+def through_end(tokens: list[int], end_tokens: Collection[int]) -> list[int]:
+    """``tokens`` up to and including the first that ends a request (all when none does)."""
+    ends_at = end_index(tokens, end_tokens)
+    return tokens if ends_at is None else tokens[: ends_at + 1]
+
+
 def end_index(tokens: Sequence[int], end_tokens: Collection[int]) -> int | None:
     """Index of the first of ``tokens`` that ends a request (EOS), or None.
 

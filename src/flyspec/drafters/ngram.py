@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.drafters.base import Draft, end_index
+from flyspec.drafters.base import Draft, through_end
 
 
 def find_ngram_continuation(
@@ -21,9 +21,8 @@ def find_ngram_continuation(
     """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix n-gram.
 
     n runs from ``max_ngram`` down to ``min_ngram``; the first n with an earlier occurrence
-    wins. Among
-    its occurrences the most recent one with ``k`` tokens after it is used, else the earliest
-    (the longest continuation there is). Returns ``[]`` when no suffix recurs.
+    wins. Among its occurrences the most recent one with ``k`` tokens after it is used, else
+    the earliest (the longest continuation there is). Returns ``[]`` when no suffix recurs.
     """
     tokens = np.asarray(context, dtype=np.int64)
     length = tokens.shape[0]
@@ -54,9 +53,7 @@ class NgramDrafter:
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         continuation = find_ngram_continuation(context, k=k, max_ngram=self.max_ngram)
-        ends_at = end_index(continuation, self.end_tokens)
-        if ends_at is not None:
-            continuation = continuation[: ends_at + 1]
+        continuation = through_end(continuation, self.end_tokens)
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long), source="lookup")
 
     def reset(self) -> None:

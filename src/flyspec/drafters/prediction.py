@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.drafters.base import Draft, Drafter, end_index
+from flyspec.drafters.base import Draft, Drafter, through_end
 from flyspec.drafters.ngram import find_ngram_continuation
 
 DEFAULT_MIN_MATCH = 3
@@ -119,7 +119,7 @@ class PredictionDrafter:
         self.min_match = min_match
         self.max_ngram = max_ngram
         self.end_tokens = frozenset(end_tokens)
-        self._known: Place | None = Place(index=0, matched=0)
+        self._known = Place(index=0, matched=0)
         self._known_at = 0  # answer length when the place was last known
         self._planned: tuple[int, Place | None] | None = None
 
@@ -129,8 +129,7 @@ class PredictionDrafter:
         answer_length = len(context) - self.prompt_length
         if self._planned is not None and self._planned[0] == answer_length:
             return self._planned[1]
-        last = self._known if self._known is not None else Place(index=0, matched=0)
-        expected = last.index + answer_length - self._known_at
+        expected = self._known.index + answer_length - self._known_at
         found = find_place(
             self.prediction,
             context[self.prompt_length :],
@@ -157,17 +156,14 @@ class PredictionDrafter:
     def propose(self, context: Sequence[int], k: int) -> Draft:
         place = self.place(context)
         if place is not None:
-            tokens = self.prediction[place.index : place.index + k].tolist()
-            ends_at = end_index(tokens, self.end_tokens)
-            if ends_at is not None:
-                tokens = tokens[: ends_at + 1]
+            tokens = through_end(
+                self.prediction[place.index : place.index + k].tolist(), self.end_tokens
+            )
             return Draft(tokens=torch.tensor(tokens, dtype=torch.long), source="prediction")
         looked_up = self._look_up(context, k)
         if looked_up or self.fallback is None:
-            ends_at = end_index(looked_up, self.end_tokens)
-            if ends_at is not None:
-                looked_up = looked_up[: ends_at + 1]
-            return Draft(tokens=torch.tensor(looked_up, dtype=torch.long), source="lookup")
+            tokens = through_end(looked_up, self.end_tokens)
+            return Draft(tokens=torch.tensor(tokens, dtype=torch.long), source="lookup")
         return self.fallback.propose(context, k)
 
     def _look_up(self, context: Sequence[int], k: int) -> list[int]:

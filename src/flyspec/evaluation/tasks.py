@@ -65,9 +65,9 @@ class Prompt:
 
     def prediction_ids(self, tokenizer) -> list[int] | None:
         """Token ids of the prediction, as answer text is tokenized; None without one."""
-        if not self.prediction:
-            return None
-        return list(tokenizer.encode(self.prediction, add_special_tokens=False))
+        from flyspec.engine import prediction_token_ids
+
+        return prediction_token_ids(tokenizer, self.prediction) if self.prediction else None
 
 
 class Task(Protocol):

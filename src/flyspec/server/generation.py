@@ -203,15 +203,12 @@ class GenerationHandler:
         prediction_ids = None
         if body.prediction is not None:
             prediction_ids = self.engine.encode_prediction(body.prediction)
-            if len(prompt_ids) + len(prediction_ids) > limit:
+            try:
+                self.engine.check_prediction(prompt_ids, prediction_ids)
+            except FlyspecError as error:
                 raise APIError(
-                    400,
-                    f"the prediction does not fit in this model's context: {limit} tokens, "
-                    f"and the prompt has {len(prompt_ids)} and the prediction "
-                    f"{len(prediction_ids)}",
-                    param="prediction",
-                    code="context_length_exceeded",
-                )
+                    400, str(error), param="prediction", code="context_length_exceeded"
+                ) from None
         if config.uses_draft_model and getattr(self.engine, "draft_model", None) is None:
             raise APIError(
                 400,
