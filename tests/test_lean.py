@@ -50,6 +50,15 @@ def test_a_crop_drops_the_rejected_positions(model):
         lean.crop(6)
 
 
+def test_a_cached_lm_takes_a_runner_as_it_is(model):
+    runner = LeanForward(model)
+    lm = CachedLM(runner)
+    assert lm.runner is runner and lm.forward_path == "lean" and lm.vocab_size == VOCAB
+    tokens = [5, 9, 2, 33, 8]
+    torch.testing.assert_close(lm.logits(tokens, 2), full_forward_logits(model, tokens, 2))
+    assert lm.cached_tokens == tokens and runner.length == len(tokens)
+
+
 def test_buffers_grow_past_their_first_capacity_and_keep_the_cache(model):
     tokens = [(7 * i) % VOCAB for i in range(300)]
     lean = LeanForward(model)

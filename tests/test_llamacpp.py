@@ -1,6 +1,6 @@
 """The llama.cpp backend on tiny random-weight GGUF files written in-process (float32 tensors,
 so llama.cpp's logits follow transformers' closely): the forward against transformers', the KV
-cache rewind, the decoder and the engine on it, and the bench's llama.cpp methods."""
+cache crop, the decoder and the engine on it, and the bench's llama.cpp methods."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flyspec.bench import run_benchmark
+from flyspec.bench.forward_cost import time_forwards
 from flyspec.bench.prompts import BenchPrompt
 from flyspec.config import DecodeConfig, LlamaCppConfig
 from flyspec.decode import SpeculativeDecoder
@@ -54,26 +55,35 @@ def test_logits_follow_transformers(tiny_ggufs, target_lm):
     assert target_lm.cached_tokens == ids
 
 
-def test_a_rewound_cache_gives_the_logits_of_a_fresh_one(tiny_ggufs, target_lm):
+def test_a_cropped_cache_gives_the_logits_of_a_fresh_one(tiny_ggufs, target_lm):
     tokenizer = tiny_ggufs[0]
     ids = tokenizer.encode(PROMPT)
     first = ids + [5, 6, 7, 8]
     second = ids + [5, 9, 10]  # shares ids + [5]; 6, 7, 8 must leave the KV cache
     target_lm.logits(first, 5)
-    rewound = target_lm.logits(second, 3)
+    cropped = target_lm.logits(second, 3)
     assert target_lm.cached_tokens == second
     target_lm.reset()
     assert target_lm.cached_tokens == []
     fresh = target_lm.logits(second, 3)
-    torch.testing.assert_close(rewound, fresh, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cropped, fresh, atol=1e-4, rtol=0)
 
 
-def test_rewind_keeps_a_prefix_and_refuses_to_grow(target_lm):
+def test_crop_keeps_a_prefix_and_refuses_to_grow(target_lm):
     target_lm.logits(list(range(10, 20)), 1)
-    target_lm.rewind(4)
+    target_lm.runner.crop(4)
     assert target_lm.cached_tokens == list(range(10, 14))
-    with pytest.raises(ValueError, match="cannot rewind"):
-        target_lm.rewind(5)
+    with pytest.raises(ValueError, match="cannot crop"):
+        target_lm.runner.crop(5)
+    assert target_lm.runner.length == 4
+
+
+def test_forward_cost_times_the_llamacpp_runner_and_empties_it(target_lm):
+    target_lm.logits([5, 6, 7], 1)
+    times = time_forwards(target_lm, new_tokens=[1, 3], context_tokens=8, repeats=2, warmup=0)
+    assert list(times) == ["llamacpp"]
+    assert {n: len(samples) for n, samples in times["llamacpp"].items()} == {1: 2, 3: 2}
+    assert target_lm.cached_tokens == [] and target_lm.runner.length == 0
 
 
 def test_a_sequence_longer_than_the_context_is_refused(tiny_ggufs):

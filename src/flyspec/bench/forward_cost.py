@@ -13,8 +13,12 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flyspec.models.cache import ForwardRunner
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class ForwardCost:
 
 @torch.inference_mode()
 def time_runners(
-    runners: Mapping[str, object],
+    runners: Mapping[str, ForwardRunner],
     *,
     vocab_size: int,
     new_tokens: Sequence[int],
@@ -49,7 +53,7 @@ def time_runners(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds of each timed forward over n new tokens after ``context_tokens`` cached ones,
-    per named forward runner (``LeanForward`` / ``TransformersForward``) and n:
+    per named forward runner (:class:`~flyspec.models.cache.ForwardRunner`) and n:
     ``{name: {n: [s]}}``.
 
     The calls are interleaved over n and runners (n1 runner1, n1 runner2, n2 runner1, ...,
@@ -79,27 +83,6 @@ def time_runners(
     return times
 
 
-class RewindingRunner:
-    """A :class:`~flyspec.models.llamacpp.LlamaCppLM` behind the runner interface that
-    :func:`time_runners` drives (``reset``, ``forward`` over new ids, ``crop``)."""
-
-    def __init__(self, lm) -> None:
-        self.lm = lm
-        self.tokens: list[int] = []
-
-    def reset(self) -> None:
-        self.lm.reset()
-        self.tokens = []
-
-    def crop(self, length: int) -> None:
-        self.lm.rewind(length)
-        del self.tokens[length:]
-
-    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        self.tokens += input_ids[0].tolist()
-        return self.lm.logits(self.tokens, num_logits)
-
-
 def time_forwards(
     model,
     *,
@@ -111,30 +94,34 @@ def time_forwards(
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[int, list[float]]]:
-    """:func:`time_runners` for one model, one runner per forward path
-    (:func:`flyspec.models.cache.make_forward`): ``{path: {n: [s]}}``. A llama.cpp model
-    (:class:`~flyspec.models.llamacpp.LlamaCppLM`) has the one path ``llamacpp``."""
-    from flyspec.models.cache import make_forward
-    from flyspec.models.llamacpp import LlamaCppLM
+    """:func:`time_runners` for one model: a torch module gets one runner per forward path
+    (:func:`flyspec.models.cache.make_forward`); a :class:`~flyspec.models.cache.CachedLM`
+    (such as a llama.cpp model, path ``llamacpp``) has its own runner, which is emptied after
+    the timing. ``{path: {n: [s]}}``."""
+    from flyspec.models.cache import CachedLM, make_forward
 
-    if isinstance(model, LlamaCppLM):
-        runners = {model.forward_path: RewindingRunner(model)}
+    if isinstance(model, CachedLM):
+        runners = {model.forward_path: model.runner}
         vocab_size, device = model.vocab_size, model.device
     else:
         runners = {path: make_forward(model, path) for path in forward_paths}
         vocab_size = int(model.get_input_embeddings().weight.shape[0])
         device = next(model.parameters()).device
-    return time_runners(
-        runners,
-        vocab_size=vocab_size,
-        new_tokens=new_tokens,
-        context_tokens=context_tokens,
-        repeats=repeats,
-        warmup=warmup,
-        seed=seed,
-        device=device,
-        clock=clock,
-    )
+    try:
+        return time_runners(
+            runners,
+            vocab_size=vocab_size,
+            new_tokens=new_tokens,
+            context_tokens=context_tokens,
+            repeats=repeats,
+            warmup=warmup,
+            seed=seed,
+            device=device,
+            clock=clock,
+        )
+    finally:
+        if isinstance(model, CachedLM):
+            model.reset()  # the runner holds random ids the model has no record of
 
 
 def measure_forward_cost(

@@ -1,5 +1,6 @@
-"""A causal LM paired with its KV cache, the two ways to run its forwards, and the one place
-that crops a transformers cache."""
+"""A causal LM paired with its KV cache: :class:`CachedLM` over a forward runner, torch's two
+(:class:`TransformersForward`, :class:`~flyspec.models.lean.LeanForward`) or llama.cpp's
+(:class:`~flyspec.models.llamacpp.LlamaCppForward`)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from flyspec.config import FORWARD_PATHS
-from flyspec.models.lean import LeanForward, lean_unsupported_reason
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Shorten ``cache`` in place so that it holds its first ``length`` positions.
-
-    transformers 5.24 takes the number of positions to *remove*, as a negative number (a
-    positive absolute length raises); 4.x read a negative argument the same way, so this form
-    works on both.
-    """
-    current = cache.get_seq_length()
-    if length < 0 or length > current:
-        raise ValueError(f"cannot crop a cache of {current} positions to {length}")
-    if length < current:
-        cache.crop(length - current)
+from flyspec.models.lean import LeanForward, lean_unsupported_reason, output_rows
 
 
 def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
@@ -39,12 +26,57 @@ def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
     return limit  # pragma: no cover - the slice comparison above returns first
 
 
+class ForwardRunner(Protocol):
+    """Forward passes over new tokens on top of a KV cache the runner holds, and the cuts of
+    that cache: what :class:`CachedLM` drives."""
+
+    forward_path: str
+    """``lean``, ``transformers`` or ``llamacpp``."""
+    model: torch.nn.Module | None
+    """The torch module it runs (None: the weights live outside torch)."""
+    device: torch.device
+    """Where input ids go and logits come back."""
+    context_length: int | None
+    """The most positions the cache can hold (None: no fixed limit)."""
+
+    @property
+    def length(self) -> int:
+        """Positions the cache holds."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (ValueError past the cache's length)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
+        which continue the ``length`` cached positions."""
+        ...
+
+    def state_bytes(self) -> int:
+        """The bytes the cache holds."""
+        ...
+
+
 class TransformersForward:
     """Forward passes through ``model(...)`` with a transformers ``DynamicCache``: runs any
     causal LM (the fallback where :class:`~flyspec.models.lean.LeanForward` cannot)."""
 
+    forward_path = "transformers"
+    context_length = None
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.device = next(model.parameters()).device
         self.cache = DynamicCache()
         # transformers 5.24 names the cache argument ``cache``; earlier 5.x ``past_key_values``.
         parameters = inspect.signature(model.forward).parameters
@@ -53,6 +85,10 @@ class TransformersForward:
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
+
+    @property
+    def vocab_size(self) -> int:
+        return output_rows(self.model)
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -67,7 +103,17 @@ class TransformersForward:
         )
 
     def crop(self, length: int) -> None:
-        crop_cache(self.cache, length)
+        """Keep the first ``length`` cached positions.
+
+        transformers 5.24 takes the number of positions to *remove*, as a negative number (a
+        positive absolute length raises); 4.x read a negative argument the same way, so this
+        form works on both.
+        """
+        current = self.length
+        if not 0 <= length <= current:
+            raise ValueError(f"cannot crop a cache of {current} positions to {length}")
+        if length < current:
+            self.cache.crop(length - current)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         output = self.model(
@@ -91,8 +137,8 @@ def make_forward(model: torch.nn.Module, path: str = "lean") -> TransformersForw
 
 class LanguageModel(Protocol):
     """What the decoding loop and the drafters need of a model: logits for the last positions
-    of a token sequence, reusing what it cached of an earlier one. :class:`CachedLM` (torch)
-    and :class:`~flyspec.models.llamacpp.LlamaCppLM` (llama.cpp) follow it."""
+    of a token sequence, reusing what it cached of an earlier one. :class:`CachedLM` follows
+    it, over torch's forwards or llama.cpp's."""
 
     device: torch.device
     forward_path: str
@@ -119,32 +165,40 @@ class LanguageModel(Protocol):
 
 
 class CachedLM:
-    """A causal LM with a KV cache and a record of the token ids the cache holds.
+    """A causal LM's forward runner with a record of the token ids its cache holds.
 
     :meth:`logits` takes the *whole* sequence each time and reuses the longest cached prefix,
     so callers never track cache positions: after a block is verified, the next call with the
-    committed sequence crops away the rejected positions by itself. ``forward_path`` chooses
-    how forwards run (:func:`make_forward`).
+    committed sequence crops away the rejected positions by itself.
+
+    ``model``: a torch module, run by the runner ``forward_path`` names
+    (:func:`make_forward`), or a :class:`ForwardRunner` as it is.
     """
 
-    def __init__(self, model: torch.nn.Module, *, forward_path: str = "lean") -> None:
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.runner = make_forward(model, forward_path)
-        self.cached_tokens: list[int] = []
+    def __init__(
+        self, model: torch.nn.Module | ForwardRunner, *, forward_path: str = "lean"
+    ) -> None:
+        self.runner: ForwardRunner = (
+            make_forward(model, forward_path) if isinstance(model, torch.nn.Module) else model
+        )
+        self.model = self.runner.model
+        self.device = self.runner.device
+        self.context_length: int | None = self.runner.context_length
         self.forward_calls = 0
-        self.context_length: int | None = None
+        self._tokens: list[int] = []
 
     @property
     def vocab_size(self) -> int:
-        """Rows of the output layer; ``out_features`` also covers packed and quantised
-        layers."""
-        head = self.model.get_output_embeddings()
-        return int(getattr(head, "out_features", None) or head.weight.shape[0])
+        return self.runner.vocab_size
 
     @property
     def forward_path(self) -> str:
-        return "lean" if isinstance(self.runner, LeanForward) else "transformers"
+        return self.runner.forward_path
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The token ids whose positions the runner's cache holds."""
+        return self._tokens[: self.runner.length]
 
     def state_bytes(self) -> int:
         """The bytes of the KV cache (kept between requests, so after the longest one its
@@ -154,7 +208,7 @@ class CachedLM:
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
         self.runner.reset()
-        self.cached_tokens = []
+        self._tokens = []
         self.forward_calls = 0
 
     @torch.inference_mode()
@@ -167,8 +221,8 @@ class CachedLM:
             raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
         reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
         self.runner.crop(reuse)
-        new_tokens = torch.tensor([list(tokens[reuse:])], dtype=torch.long, device=self.device)
+        self._tokens = list(tokens)
+        new_tokens = torch.tensor([self._tokens[reuse:]], dtype=torch.long, device=self.device)
         logits = self.runner.forward(new_tokens, num_logits)
-        self.cached_tokens = list(tokens)
         self.forward_calls += 1
         return logits

@@ -57,12 +57,22 @@ def lean_unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def output_rows(model: torch.nn.Module) -> int:
+    """Rows of ``model``'s output layer (the logits'); ``out_features`` also covers packed and
+    quantised layers."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 class LeanForward:
     """Forward passes over new tokens on top of a KV cache held in preallocated buffers.
 
     ``forward`` appends the new tokens' keys and values in place; ``crop`` only moves the
     length, so dropping a rejected draft block costs nothing. Buffers grow by doubling.
     """
+
+    forward_path = "lean"
+    context_length = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         reason = lean_unsupported_reason(model)
@@ -81,6 +91,10 @@ class LeanForward:
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)  # [capacity, head_dim]
+
+    @property
+    def vocab_size(self) -> int:
+        return output_rows(self.model)
 
     def reset(self) -> None:
         self.length = 0

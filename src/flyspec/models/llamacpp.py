@@ -1,9 +1,10 @@
-"""Causal LMs run by llama.cpp (through its Python binding, ``llama-cpp-python``) behind the
-interface the decoding loop uses: logits for the last n positions of a token sequence, with the
-KV cache reused up to the longest common prefix and rewound past it.
+"""Causal LMs run by llama.cpp (through its Python binding, ``llama-cpp-python``):
+:class:`LlamaCppForward` is a forward runner like torch's, and :class:`LlamaCppLM` puts it behind
+the same :class:`~flyspec.models.cache.CachedLM`, which reuses the KV cache up to the longest
+common prefix and crops it past that.
 
 The binding's low-level C API is used directly (``llama_decode`` over a batch whose last n
-positions ask for logits, ``llama_memory_seq_rm`` for the rewind), so that one forward scores a
+positions ask for logits, ``llama_memory_seq_rm`` for the crop), so that one forward scores a
 whole draft block, which the binding's high-level ``Llama`` class does not offer without keeping
 logits for every position of the context.
 """
@@ -21,7 +22,7 @@ import torch
 
 from flyspec.config import LlamaCppConfig
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import common_prefix_length
+from flyspec.models.cache import CachedLM
 from flyspec.models.llamacpp_binding import (
     ensure_llamacpp_decodes,
     llamacpp_version,
@@ -36,13 +37,13 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-class LlamaCppLM:
-    """A GGUF model in llama.cpp with its KV cache and a record of the token ids it holds
-    (the llama.cpp counterpart of :class:`~flyspec.models.cache.CachedLM`).
+class LlamaCppForward:
+    """A GGUF model in llama.cpp with its KV cache, behind the forward-runner interface
+    (:class:`~flyspec.models.cache.ForwardRunner`).
 
-    :meth:`logits` takes the whole sequence each time: positions past the longest prefix shared
-    with the cached tokens are removed from the KV cache, the rest are fed in one forward (in
-    slices of 512 for a long prompt), and logits come back for the last ``num_logits`` only.
+    :meth:`forward` feeds the new tokens in one ``llama_decode`` (in slices of 512 for a long
+    prompt) and brings back logits for the last ``num_logits`` only; :meth:`crop` removes
+    positions from the KV cache.
 
     ``check_binding``: first make sure, in a child process, that the binding can decode on
     this CPU (:mod:`flyspec.models.llamacpp_binding`; once per build and machine), so that a
@@ -50,6 +51,7 @@ class LlamaCppLM:
     """
 
     forward_path = "llamacpp"
+    model = None  # the weights live in llama.cpp
 
     def __init__(
         self,
@@ -97,13 +99,7 @@ class LlamaCppLM:
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.context_length = int(llama_cpp.llama_n_ctx(self._context))
         self.device = torch.device("cpu")
-        self.cached_tokens: list[int] = []
-        self.forward_calls = 0
-
-    @property
-    def model(self) -> None:
-        """No torch module: the weights live in llama.cpp."""
-        return None
+        self.length = 0
 
     def end_of_generation_tokens(self) -> set[int]:
         """The tokens llama.cpp treats as ending a generation (EOS, EOT and their kin)."""
@@ -122,46 +118,41 @@ class LlamaCppLM:
         return int(self._api.llama_state_get_size(self._context))
 
     def reset(self) -> None:
-        """Forget everything cached (a new request)."""
         self._api.llama_memory_clear(self._memory, True)
-        self.cached_tokens = []
-        self.forward_calls = 0
+        self.length = 0
 
-    def rewind(self, length: int) -> None:
+    def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions, remove the rest from the KV cache."""
-        if not 0 <= length <= len(self.cached_tokens):
-            raise ValueError(f"cannot rewind {len(self.cached_tokens)} positions to {length}")
-        if length < len(self.cached_tokens):
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if length < self.length:
             if not self._api.llama_memory_seq_rm(self._memory, 0, length, -1):
                 raise RuntimeError(f"llama.cpp could not remove KV positions from {length} on")
-            del self.cached_tokens[length:]
+            self.length = length
 
-    @torch.inference_mode()
-    def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
-        """Logits for the last ``num_logits`` positions of ``tokens``: ``[num_logits, V]``
-        float32. Row ``j`` predicts the token after ``tokens[len(tokens) - num_logits + j]``."""
-        if not 1 <= num_logits <= len(tokens):
-            raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
-        if len(tokens) > self.context_length:
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Logits ``[num_logits, V]`` float32 for the last positions of ``input_ids``
+        ``long[1, n]``, which continue the ``length`` cached positions."""
+        tokens = input_ids[0].tolist()
+        end = self.length + len(tokens)
+        if end > self.context_length:
             raise FlyspecError(
-                f"{len(tokens)} tokens do not fit llama.cpp's context of {self.context_length}"
+                f"{end} tokens do not fit llama.cpp's context of {self.context_length}"
             )
-        reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
-        self.rewind(reuse)
-        first_logit = len(tokens) - num_logits
+        first_logit = end - num_logits
         rows: list[np.ndarray] = []
-        for start in range(reuse, len(tokens), self.batch_size):
-            piece = tokens[start : start + self.batch_size]
+        for offset in range(0, len(tokens), self.batch_size):
+            piece = tokens[offset : offset + self.batch_size]
+            start = self.length
             self._fill_batch(piece, start, first_logit)
             status = self._api.llama_decode(self._context, self._batch)
             if status != 0:
-                self.rewind(0)
+                self.crop(0)
                 raise RuntimeError(f"llama_decode returned {status}")
-            self.cached_tokens.extend(int(t) for t in piece)
+            self.length += len(piece)
             for index in range(max(0, first_logit - start), len(piece)):
                 pointer = self._api.llama_get_logits_ith(self._context, index)
                 rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)).copy())
-        self.forward_calls += 1
         return torch.from_numpy(np.stack(rows))
 
     def _fill_batch(self, piece: Sequence[int], start: int, first_logit: int) -> None:
@@ -192,6 +183,46 @@ class LlamaCppLM:
 
     def __del__(self) -> None:
         self.close()
+
+
+class LlamaCppLM(CachedLM):
+    """A GGUF model in llama.cpp behind :class:`~flyspec.models.cache.CachedLM`, as a torch
+    model is: a :class:`LlamaCppForward` (see it for the arguments) with the record of the
+    token ids its cache holds. ``context_length`` is llama.cpp's context."""
+
+    runner: LlamaCppForward
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        context: int = LlamaCppConfig.context,
+        threads: int = 0,
+        check_binding: bool = True,
+    ) -> None:
+        super().__init__(
+            LlamaCppForward(path, context=context, threads=threads, check_binding=check_binding)
+        )
+
+    @property
+    def path(self) -> Path:
+        return self.runner.path
+
+    @property
+    def threads(self) -> int:
+        return self.runner.threads
+
+    def end_of_generation_tokens(self) -> set[int]:
+        """The tokens llama.cpp treats as ending a generation (EOS, EOT and their kin)."""
+        return self.runner.end_of_generation_tokens()
+
+    def describe(self) -> str:
+        """The model's own description (architecture, size, quantisation)."""
+        return self.runner.describe()
+
+    def close(self) -> None:
+        """Free llama.cpp's batch, context and model (also done when the model is collected)."""
+        self.runner.close()
 
 
 def gguf_tokenizer(path: str | Path, *, home: Path | None = None):
