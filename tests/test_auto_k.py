@@ -12,7 +12,6 @@ from flyspec.auto_k import (
     PROBE_AFTER,
     AutoK,
     ForwardCosts,
-    describe_costs,
     expected_tokens,
     probe_sizes,
 )
@@ -44,11 +43,10 @@ def test_forward_costs_interpolate_between_and_beyond_the_measured_sizes():
         ForwardCosts({})
 
 
-def test_probe_sizes_and_their_description():
+def test_probe_sizes():
     assert probe_sizes(16) == [1, 2, 4, 8, 16]
     assert probe_sizes(6) == [1, 2, 4, 6]
     assert probe_sizes(1) == [1]
-    assert describe_costs({1: 0.039, 16: 0.265}) == "n=1 39 ms, n=16 265 ms (6.8x)"
 
 
 def observe_rounds(policy: AutoK, *, k: int, kept: int, rounds: int = 30) -> None:

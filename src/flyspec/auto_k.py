@@ -8,9 +8,10 @@ prod_{i<=j} p_i(K)`` tokens on average, where ``p_i(K)`` is the chance that draf
 deferred window to fit in the block (``i + W <= K``; any K with deferral). The policy picks
 ``argmax E(K) / C(K)``, so where no block pays it decodes with the target alone.
 
-``V`` starts from a measured table (one forward per size over the first request's context,
-:func:`measure_block_costs`) and, like ``d`` and the per-position rates, follows what the rounds
-measure; the estimates carry over from one request to the next. Rounds at K=0 teach nothing
+``V`` starts from a measured table (two forwards per size over the first request's context,
+the faster kept: :meth:`AutoKPolicies.measure`) and, like ``d`` and the per-position rates,
+follows what the rounds measure; the estimates are shared by the requests of one decoder, each
+starting from what the ones before it learnt. Rounds at K=0 teach nothing
 about acceptance, so after :data:`PROBE_AFTER` of them in a row one round drafts again at the
 best K above 0, where drafting could pay at a plausible acceptance (:meth:`AutoK.could_pay`);
 each probe that leaves K=0 still best doubles the wait before the next.
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from flyspec.models.cache import common_prefix_length
 from flyspec.stats import RoundStats
 
 PROBE_AFTER = 16
@@ -260,6 +262,25 @@ class AutoKPolicies:
     draft_token_seconds: float = 0.0
     policies: dict[tuple, AutoK] = field(default_factory=dict)
 
+    def measure(self, target, context: Sequence[int], config, *, draft_lm=None) -> None:
+        """Measure what ``-k auto`` chooses from, once, and keep it (what one request learns,
+        the next starts from): ``target``'s forward costs over ``context`` for the sizes not
+        yet measured (each size twice, keeping the faster: the first forwards of a process
+        may run cold); ``draft_lm``'s seconds per token where it drafts (it reads the context
+        first). ``context`` must be cached but for its last token."""
+        largest = min(config.k, config.max_new_tokens - 1) + 1
+        room = target.context_length
+        sizes = probe_sizes(largest, room=None if room is None else room - len(context) + 1)
+        known = {} if self.block_costs is None else self.block_costs.seconds
+        if not set(sizes) <= set(known):
+            first = measure_block_costs(target, context, sizes)
+            second = measure_block_costs(target, context, sizes)
+            known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
+            self.block_costs = ForwardCosts(known)
+        if draft_lm is not None and self.draft_token_seconds == 0:
+            catch_up(draft_lm, context)
+            self.draft_token_seconds = measure_block_costs(draft_lm, context, [1])[1]
+
     def policy(self, config, kind: str) -> AutoK:
         """The policy of ``config``'s settings (a :class:`~flyspec.config.DecodeConfig`) for
         blocks of ``kind``; only blocks of the draft model cost drafting time."""
@@ -281,17 +302,25 @@ class AutoKPolicies:
 
 
 class RequestAutoK:
-    """``-k auto`` within one request: before each round, the policy of the kind of block the
-    drafter plans (its ``plan(context)``, else the configured drafter's kind) chooses K; after
-    it, that policy learns the round's costs and, once committed, its acceptance. A deferred
-    window is settled by the next round: the policy that chose the deferring round learns it
-    then."""
+    """``-k auto``'s controller within one request: before each round, the policy of the kind
+    of block the drafter plans (its ``plan(context)``, else the configured drafter's kind)
+    chooses K; after it, that policy learns the round's costs and, once committed, its
+    acceptance. A deferred window is settled by the next round: the policy that chose the
+    deferring round learns it then.
 
-    def __init__(self, policies: AutoKPolicies, config, *, plan=None) -> None:
+    ``draft_lm``: the draft model, given where it drafts the blocks of kind ``model``; it
+    reads only what it drafts after, so before such a block it first catches up on the
+    context it skipped (:func:`catch_up`), in seconds kept as :attr:`catch_up_seconds`,
+    apart from the per-token drafting cost that chooses the block.
+    """
+
+    def __init__(self, policies: AutoKPolicies, config, *, plan=None, draft_lm=None) -> None:
         self.policies = policies
         self.config = config
         self.plan = plan
+        self.draft_lm = draft_lm
         self.kind = "lookup" if config.drafter == "ngram" else "model"
+        self.catch_up_seconds = 0.0
         self._policy: AutoK | None = None
         self._chose: dict[int, AutoK] = {}  # round slot -> the policy that chose its block
 
@@ -300,20 +329,45 @@ class RequestAutoK:
         if self.plan is not None:
             self.kind = self.plan(context)
         self._policy = self.policies.policy(self.config, self.kind)
-        return self._policy.choose(limit, at_least=at_least)
+        k = self._policy.choose(limit, at_least=at_least)
+        self.catch_up_seconds = 0.0
+        if k > 0 and self.kind == "model" and self.draft_lm is not None:
+            self.catch_up_seconds = catch_up(self.draft_lm, context)
+        return k
 
-    def observe_costs(self, *, drafted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def learn(
+        self,
+        rounds: Sequence[RoundStats],
+        *,
+        drafted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        settled: int | None,
+    ) -> None:
+        """The last of ``rounds`` was committed after drafting ``drafted`` tokens in
+        ``draft_seconds`` (the catch-up left out) and verifying them in ``verify_seconds``,
+        settling the deferral of round ``settled`` (None: there was none)."""
         self._policy.observe_costs(
             drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
         )
-
-    def observe_committed(self, rounds: Sequence[RoundStats], *, settled: int | None) -> None:
-        """The last of ``rounds`` was committed, settling the deferral of round ``settled``
-        (None: there was none)."""
         self._chose[len(rounds) - 1] = self._policy
         self._policy.observe_round(rounds[-1])
         if settled is not None:
             self._chose[settled].observe_round(rounds[settled])
+
+
+def catch_up(draft_lm, context: Sequence[int]) -> float:
+    """Have ``draft_lm`` (a :class:`~flyspec.models.cache.LanguageModel` that drafts only some
+    blocks) read the part of ``context`` it has not seen: the prompt, the rounds it did not
+    draft. A draft at most two positions behind (after a drafting round: the correction, or
+    the last draft token and the bonus) reads them in its first drafting forward, as with a
+    fixed K. Its seconds."""
+    seen = common_prefix_length(draft_lm.cached_tokens, context)
+    if len(context) - seen <= 2:
+        return 0.0
+    started = time.perf_counter()
+    draft_lm.logits(list(context[:-1]))
+    return time.perf_counter() - started
 
 
 def _smooth(before: float, measured: float) -> float:
@@ -353,10 +407,3 @@ def wait_for_device(device) -> None:
     asynchronously; the CPU has already done it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def describe_costs(costs: Mapping[int, float]) -> str:
-    """``n=1 39 ms, n=16 265 ms (6.8x)``: a cost table in one line."""
-    sizes = sorted(costs)
-    text = ", ".join(f"n={n} {1000 * costs[n]:.0f} ms" for n in sizes)
-    return f"{text} ({costs[sizes[-1]] / costs[sizes[0]]:.1f}x)" if len(sizes) > 1 else text

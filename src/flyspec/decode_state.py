@@ -1,19 +1,24 @@
-"""What the decoding loop carries between rounds and hands to its caller: the committed
-tokens' events, the request's progress, tokens held for a deferred window, the busy clock.
+"""One request inside the decoding loop: what it carries between rounds (the context, the
+tokens emitted, the tokens held for a deferred window, its statistics, its clock) and the named
+steps the loop calls on it: the block size, the draft, the commit of a verified round, the
+feedback to the drafter and to ``-k auto``, the delivery of the committed tokens.
+
 Internal to :mod:`flyspec.decode` but for :class:`TokenEvent` and :data:`Origin`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from flyspec.drafters import Draft
-from flyspec.stats import LooseToken, RequestStats
-from flyspec.verify import Verdict
+from flyspec.auto_k import RequestAutoK
+from flyspec.config import DecodeConfig
+from flyspec.drafters import Draft, Drafter
+from flyspec.stats import LooseToken, RequestStats, RoundStats
+from flyspec.verify import Verdict, loose_token_features
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
 """How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,
@@ -28,10 +33,6 @@ class TokenEvent:
     token: int
     origin: Origin
     round_index: int
-
-    @property
-    def from_draft(self) -> bool:
-        return self.origin in ("exact", "loose")
 
 
 class BusyClock:
@@ -98,47 +99,263 @@ class Held:
         return TokenEvent(token=token, origin=origin, round_index=self.round_index)
 
 
-@dataclass
-class Progress:
-    """A request's state between rounds: the context (prompt, emitted and held tokens), how
-    many tokens were emitted, the tokens held for a deferred window, the round's index."""
-
-    context: list[int]
-    produced: int = 0
-    held: Held | None = None
-    round_index: int = 0
-
-    @property
-    def held_length(self) -> int:
-        return 0 if self.held is None else len(self.held.tokens)
-
-
 @dataclass(frozen=True)
-class Round:
-    """One round's draft, its verdict and the target's ``[K+1, V]`` logits, with timings."""
+class Committed:
+    """What committing a round gave: the events to deliver, each with the index of the round
+    statistics it counts in; whether the request ended; and the statistics index of the
+    deferring round this round settled (None when it settled none)."""
 
-    draft: Draft
-    verdict: Verdict
-    target_logits: torch.Tensor
-    draft_seconds: float
-    verify_seconds: float
+    events: list[tuple[TokenEvent, int]]
+    finished: bool
+    settled: int | None = None
 
 
-def deliver(
-    events: Sequence[tuple[TokenEvent, int]], stats: RequestStats, clock: BusyClock
-) -> Iterator[TokenEvent]:
-    """Yield a round's events (each with the index of the round statistics it counts in);
-    when the caller stops early, the tokens it never received are taken off their rounds'
-    ``emitted``."""
-    for delivered, (event, _) in enumerate(events, start=1):
-        clock.pause()
-        try:
-            yield event
-        except GeneratorExit:
-            for _, slot in events[delivered:]:
-                stats.rounds[slot] = replace(
-                    stats.rounds[slot], emitted=stats.rounds[slot].emitted - 1
+class Request:
+    """One request's state between rounds and the steps the loop calls on it.
+
+    ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
+    after). Each round is timed here: drafting in :meth:`draft`, the target's forward and the
+    verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
+    ``auto`` is ``-k auto``'s controller, None for a fixed K.
+    """
+
+    def __init__(
+        self,
+        *,
+        prompt_ids: list[int],
+        config: DecodeConfig,
+        stats: RequestStats,
+        drafter: Drafter | None,
+        auto: RequestAutoK | None,
+        eos_token_ids: Collection[int],
+        clock: BusyClock,
+    ) -> None:
+        self.context = prompt_ids
+        self.config = config
+        self.stats = stats
+        self.drafter = drafter
+        self.auto = auto
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.produced = 0
+        self.held: Held | None = None
+        self.round_index = 0
+        self._observe: Callable[[int, int], None] | None = getattr(drafter, "observe", None)
+        self._draft_seconds = 0.0
+        self._drafted_at = 0.0
+
+    def room(self) -> int:
+        """Tokens the budget has left, held tokens counted as spent."""
+        held = 0 if self.held is None else len(self.held.tokens)
+        return self.config.max_new_tokens - self.produced - held
+
+    def block_size(self, room: int) -> int:
+        """K for the next round: the configured one within the budget (the block and its
+        correction or bonus fit in ``room``), or ``-k auto``'s choice below that, never fewer
+        than the draft tokens a held deferral needs to be decided."""
+        limit = 0 if self.drafter is None else min(self.config.k, room - 1)
+        if self.auto is None:
+            return limit
+        return self.auto.choose(
+            self.context, limit, at_least=0 if self.held is None else self.held.need
+        )
+
+    def draft(self, k: int) -> Draft:
+        """Up to ``k`` draft tokens after the context (none for ``k == 0``), timed."""
+        started = time.perf_counter()
+        draft = self.drafter.propose(self.context, k) if k > 0 else Draft.empty()
+        self._drafted_at = time.perf_counter()
+        self._draft_seconds = self._drafted_at - started
+        return draft
+
+    def commit(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> Committed:
+        """Commit a verified round (``target_logits``: the target's ``[K+1, V]`` logits over
+        it) to the context and the statistics. A round after a deferral first settles it:
+        confirmed, the held tokens come first; rolled back, the round is wasted and only the
+        correction is committed. A new deferral holds its tokens back."""
+        timing = {
+            "draft_seconds": self._draft_seconds + self._catch_up_seconds(),
+            "verify_seconds": time.perf_counter() - self._drafted_at,
+            "source": draft.source if len(draft) else None,
+        }
+        held, settled = self.held, None
+        events: list[tuple[TokenEvent, int]] = []
+        if held is not None:
+            self.held, settled = None, held.round_slot
+            confirmed, events = self._settle(held, verdict)
+            if not confirmed:  # this round drafted after tokens now taken back: wasted
+                wasted = RoundStats(
+                    drafted=len(draft),
+                    accepted=0,
+                    loosely_accepted=0,
+                    emitted=0,
+                    deferral="wasted",
+                    **timing,
                 )
-            stats.finish_reason = "cancelled"
-            raise
-        clock.resume()
+                self.stats.add_round(wasted)
+                self.round_index += 1
+                return Committed(events, held.correction in self.eos_token_ids, settled)
+        if verdict.deferral is not None and not self._can_defer(verdict, draft):
+            verdict = verdict.without_deferral()
+        finished = self._keep(draft, verdict, target_logits, timing, events)
+        self.round_index += 1
+        return Committed(events, finished, settled)
+
+    def learn(self, draft: Draft, verdict: Verdict, committed: Committed) -> None:
+        """Feedback of the committed round: to a drafter that adapts to what is kept, and to
+        ``-k auto`` (the round's costs, and the acceptance of this round and of the deferral
+        it settled, as committed)."""
+        if self._observe is not None and len(draft):
+            self._observe(len(draft), verdict.num_kept)
+        if self.auto is not None:
+            self.auto.learn(
+                self.stats.rounds,
+                drafted=len(draft),
+                draft_seconds=self._draft_seconds,
+                verify_seconds=self.stats.rounds[-1].verify_seconds,
+                settled=committed.settled,
+            )
+
+    def deliver(self, committed: Committed) -> Iterator[TokenEvent]:
+        """Yield a round's events, the clock paused while the caller holds them; when the
+        caller stops early, the tokens it never received are taken off their rounds'
+        ``emitted``."""
+        events = committed.events
+        for delivered, (event, _) in enumerate(events, start=1):
+            self.clock.pause()
+            try:
+                yield event
+            except GeneratorExit:
+                for _, slot in events[delivered:]:
+                    self.stats.rounds[slot] = replace(
+                        self.stats.rounds[slot], emitted=self.stats.rounds[slot].emitted - 1
+                    )
+                self.stats.finish_reason = "cancelled"
+                raise
+            self.clock.resume()
+
+    def _catch_up_seconds(self) -> float:
+        return 0.0 if self.auto is None else self.auto.catch_up_seconds
+
+    def _settle(self, held: Held, verdict: Verdict) -> tuple[bool, list[tuple[TokenEvent, int]]]:
+        """Decide the deferral ``held`` by this round's leading exact matches: confirmed, its
+        tokens are emitted; rolled back, they leave the context for the target's correction.
+        Whether it was confirmed, and the events it emits."""
+        confirmed = verdict.num_leading_exact >= held.need
+        events = held.resolve(confirmed, self.stats, eos_token_ids=self.eos_token_ids)
+        self.produced += len(events)
+        if not confirmed:
+            del self.context[len(self.context) - len(held.tokens) :]
+            self.context.extend(event.token for event, _ in events)
+        return confirmed, events
+
+    def _can_defer(self, verdict: Verdict, draft: Draft) -> bool:
+        """Whether a deferred window can be decided by the next block: no end-of-sequence
+        token among the held tokens, and budget left for ``need`` draft tokens after them."""
+        deferral = verdict.deferral
+        held = draft.tokens[deferral.position :].tolist() + [verdict.next_token]
+        if self.drafter is None or any(token in self.eos_token_ids for token in held):
+            return False
+        remaining = self.config.max_new_tokens - self.produced - deferral.position - len(held)
+        return deferral.need <= min(self.config.k, remaining - 1)
+
+    def _keep(
+        self,
+        draft: Draft,
+        verdict: Verdict,
+        target_logits: torch.Tensor,
+        timing: dict,
+        events: list[tuple[TokenEvent, int]],
+    ) -> bool:
+        """Commit the block's kept tokens and the target's own token up to an end-of-sequence
+        token or a deferral (whose tokens are held back), count the round, and add its events
+        to ``events``. Whether the request ended."""
+        deferral = verdict.deferral
+        records = loose_records(
+            verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
+        )
+        tokens = draft.tokens[: verdict.num_kept].tolist() + [verdict.next_token]
+        origins: list[Origin] = [
+            "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
+        ] + ["bonus" if verdict.is_bonus else "correction"]
+        if deferral is not None:
+            origins[deferral.position] = "loose"
+        cut = len(tokens) if deferral is None else deferral.position
+        emitted = 0
+        finished = False
+        for token in tokens[:cut]:
+            if token in self.eos_token_ids:
+                finished = True
+                break
+            self.context.append(token)
+            emitted += 1
+        self.stats.add_round(
+            RoundStats(
+                drafted=len(draft),
+                accepted=min(verdict.num_kept, cut) - verdict.num_loose,
+                loosely_accepted=verdict.num_loose,
+                emitted=emitted,
+                ended_by_eos=finished,
+                deferral=None if deferral is None else "pending",
+                loose_tokens=tuple(records[i] for i in verdict.loose_positions),
+                **timing,
+            )
+        )
+        slot = len(self.stats.rounds) - 1
+        if deferral is not None and not finished:
+            self.held = Held(
+                tokens=tokens[cut:],
+                origins=origins[cut:],
+                need=deferral.need,
+                correction=deferral.correction,
+                round_index=self.round_index,
+                round_slot=slot,
+                loose_token=records[deferral.position],
+            )
+            self.context.extend(self.held.tokens)
+        events += [
+            (TokenEvent(token=token, origin=origin, round_index=self.round_index), slot)
+            for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
+        ]
+        self.produced += emitted
+        return finished
+
+
+def loose_records(
+    verdict: Verdict,
+    draft: Draft,
+    target_logits: torch.Tensor,
+    *,
+    entropy: str,
+    produced: int,
+) -> dict[int, LooseToken]:
+    """A :class:`LooseToken` for every loosely kept (or deferred) position of the block,
+    read from the target's ``[K+1, V]`` logits; ``produced``: tokens emitted before it."""
+    positions = list(verdict.loose_positions)
+    if verdict.deferral is not None:
+        positions.append(verdict.deferral.position)
+    if not positions:
+        return {}
+    index = torch.tensor(positions, device=target_logits.device)
+    draft_tokens = draft.tokens.to(target_logits.device)[index]
+    features = loose_token_features(target_logits[index], draft_tokens, entropy=entropy)
+    columns = {name: values.tolist() for name, values in features.items()}
+    return {
+        position: LooseToken(
+            output_index=produced + position,
+            position=position,
+            block_size=len(draft),
+            deferred=verdict.deferral is not None and position == verdict.deferral.position,
+            draft_token=int(draft_tokens[row]),
+            target_token=int(columns["target_token"][row]),
+            entropy=float(columns["entropy"][row]),
+            draft_prob=float(columns["draft_prob"][row]),
+            top_prob=float(columns["top_prob"][row]),
+            ratio=float(columns["ratio"][row]),
+            rank=int(columns["rank"][row]),
+            draft_confidence=(
+                None if draft.confidence is None else float(draft.confidence[position])
+            ),
+        )
+        for row, position in enumerate(positions)
+    }
