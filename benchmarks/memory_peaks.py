@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from flyspec.memory import gib  # noqa: E402
 from flyspec.models import default_pair_paths  # noqa: E402
 from flyspec.models.checkpoint import checkpoint_parameters  # noqa: E402
+from flyspec.rss import gib  # noqa: E402
 
 PROMPT = "def fib(n):"
 SETTINGS = {

@@ -11,7 +11,7 @@ them from the vLLM 0.34.0 wheel into a small folder first, then carry that folde
 
 The extracted files load under a stand-in ``vllm`` package (tiny stubs for what else they
 import), which takes precedence over any installed vLLM. The script runs random conformance
-batches (:mod:`flyspec.integrations.vllm.conformance`: greedy, sampled and mixed) through the
+batches (:mod:`flyspec.testing.conformance`: greedy, sampled and mixed) through the
 kernel, compares its emitted tokens with flyspec's decisions, prints a summary and exits 1 on
 any mismatch. Needs torch and triton; flyspec from this working tree (``src`` is put on the
 path).
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     sys.path.insert(0, str(ROOT / "src"))
-    from flyspec.integrations.vllm import conformance
+    from flyspec.testing import conformance
 
     rejection_sample = load_kernel(args.kernels)
     device = torch.device(args.device)

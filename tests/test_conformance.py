@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from flyspec.integrations.vllm.conformance import (
+from flyspec.testing.conformance import (
     KINDS,
     ConformanceBatch,
     compare,

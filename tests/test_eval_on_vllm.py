@@ -8,7 +8,12 @@ import pytest
 from flyspec.cli import main
 from flyspec.config import FlyConfig
 from flyspec.evaluation.calibrate import candidates_from, deployment_lines
-from flyspec.evaluation.on_vllm import cut_at_stop, truncate_at_answer, vllm_identity
+from flyspec.evaluation.on_vllm import (
+    cut_at_stop,
+    first_true,
+    truncate_at_answer,
+    vllm_identity,
+)
 from flyspec.evaluation.runner import EvalMethod
 from flyspec.evaluation.tasks import make_task
 from flyspec.integrations.vllm.launch import VllmEngineSpec
@@ -22,6 +27,52 @@ def test_a_generation_is_cut_where_the_task_calls_the_answer_complete():
     )
     assert answered and tokens == [0, 1, 2, 3]
     assert truncate_at_answer([0, 1], lambda ids: "x", task.is_complete) == ([0, 1], False)
+
+
+def test_the_cut_is_the_shortest_complete_prefix_at_every_answer_position():
+    task = make_task("gsm8k", timeout_s=1, memory_mb=64)
+    for length in range(1, 40):
+        for answer in range(length):
+            words = ["so 4 + 4 = 8. "] * length
+            words[answer] = "The answer is 8.\n"
+            tokens, answered = truncate_at_answer(
+                range(length),
+                lambda ids, words=words: "".join(words[i] for i in ids),
+                task.is_complete,
+            )
+            assert answered and tokens == list(range(answer + 1))
+    assert truncate_at_answer([], lambda ids: "The answer is 8.\n", task.is_complete) == (
+        [],
+        False,
+    )
+
+
+def test_the_cut_decodes_a_few_prefixes_not_every_one():
+    task = make_task("gsm8k", timeout_s=1, memory_mb=64)
+    length = 2000
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join("The answer is 8.\n" if i == length - 3 else "x " for i in ids)
+
+    tokens, answered = truncate_at_answer(range(length), decode, task.is_complete)
+    assert answered and len(tokens) == length - 2
+    assert len(decoded) <= 2 * length.bit_length() + 1
+    assert sum(decoded) <= 2 * length * length.bit_length()  # every prefix: length**2 / 2
+
+
+def test_first_true_finds_the_first_of_a_monotone_predicate():
+    for n in range(1, 70):
+        for first in range(1, n + 1):
+            asked = []
+
+            def holds(end, first=first, asked=asked):
+                asked.append(end)
+                return end >= first
+
+            assert first_true(holds, n) == first
+            assert max(asked, default=0) <= max(2 * first, 1) and len(asked) <= 2 * n.bit_length()
 
 
 def test_the_text_ends_before_the_first_stop_string_as_in_flyspecs_engine():

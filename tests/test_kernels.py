@@ -99,7 +99,7 @@ def test_file_pages_are_released_while_their_weights_are_still_held(monkeypatch,
 
 
 def test_a_release_the_kernel_refuses_is_reported():
-    from flyspec.memory import release_file_pages
+    from flyspec.models.pages import release_file_pages
 
     with pytest.warns(RuntimeWarning, match="could not release"):
         release_file_pages([(4096, 8192)])  # the first pages of the address space: unmapped

@@ -1,6 +1,8 @@
-"""The package's layers depend one way: commands (``flyspec.cli``) -> applications (``bench``,
-``evaluation``, ``server``, ``integrations``) -> the library. Checked on the source, imports
-inside functions included (only ``if TYPE_CHECKING:`` blocks are left out: they never run)."""
+"""The package's layers depend one way, top to bottom: commands (``flyspec.cli``) -> ``bench``
+-> ``evaluation`` -> ``integrations``, ``server`` and ``testing`` -> the library. A package
+imports only packages of the layers below its own, and no two packages import each other.
+Checked on the source, imports inside functions included (only ``if TYPE_CHECKING:`` blocks
+are left out: they never run)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ from pathlib import Path
 import flyspec
 
 SOURCE = Path(flyspec.__file__).parent
-APPLICATIONS = ("flyspec.bench", "flyspec.evaluation", "flyspec.server", "flyspec.integrations")
+LAYERS = (
+    ("flyspec.cli",),
+    ("flyspec.bench",),  # its prompts are the evaluation's
+    ("flyspec.evaluation",),
+    ("flyspec.integrations", "flyspec.server", "flyspec.testing"),
+)
+"""The packages above the library, top layer first."""
+APPLICATIONS = tuple(package for layer in LAYERS[1:] for package in layer)
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +100,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(name: str) -> str:
+    """The package a module belongs to: ``flyspec.X`` for anything under a subpackage ``X``,
+    the module itself for a module at the top (each one of the library's parts)."""
+    return ".".join(name.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with its modules collapsed into their packages."""
+    packages: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        package = package_of(name)
+        packages.setdefault(package, set()).update(
+            package_of(target) for target in targets if package_of(target) != package
+        )
+    return packages
+
+
+PACKAGES = package_graph(GRAPH)
+
+
+def layer_of(package: str) -> int:
+    """The index of ``package``'s layer in :data:`LAYERS`; the library lies below them all."""
+    for index, layer in enumerate(LAYERS):
+        if package in layer:
+            return index
+    return len(LAYERS)
+
+
+def layer_breaches(packages: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import of a package in the importer's own layer
+    or one above it (the library's parts may import one another)."""
+    return sorted(
+        (package, target)
+        for package, targets in packages.items()
+        for target in targets
+        if layer_of(target) <= layer_of(package) < len(LAYERS)
+    )
+
+
 def test_the_import_graph_is_read():
     assert "flyspec.config" in GRAPH["flyspec.engine"]
     assert "flyspec.cli.options" in GRAPH["flyspec.cli.bench"]
@@ -105,6 +153,36 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_the_package_graph_is_read():
+    assert PACKAGES["flyspec.cli"] >= {"flyspec.bench", "flyspec.evaluation", "flyspec.server"}
+    assert "flyspec.evaluation" in PACKAGES["flyspec.bench"]
+    assert "flyspec.models" in PACKAGES["flyspec.engine"]
+    assert "flyspec.bench.methods" not in PACKAGES
+
+
+def test_no_import_cycle_between_packages():
+    assert cycles(PACKAGES) == []
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    assert layer_breaches(PACKAGES) == []
+
+
+def test_a_planted_package_cycle_and_upward_import_are_caught():
+    """Two modules of two packages importing each other form no module cycle, but a
+    package cycle, and the lower one imports a layer above its own."""
+    graph = {name: set(targets) for name, targets in GRAPH.items()}
+    graph["flyspec.evaluation.runner"].add("flyspec.bench.report")
+    assert cycles(graph) == []
+    packages = package_graph(graph)
+    assert ["flyspec.bench", "flyspec.evaluation"] in cycles(packages)
+    assert ("flyspec.evaluation", "flyspec.bench") in layer_breaches(packages)
+    assert layer_breaches({"flyspec.server": {"flyspec.integrations"}}) == [
+        ("flyspec.server", "flyspec.integrations")
+    ]
+    assert layer_breaches({"flyspec.models": {"flyspec.engine"}}) == []
+
+
 def test_only_commands_import_the_cli():
     importers = {
         name: sorted(target for target in targets if target.startswith("flyspec.cli"))
@@ -112,6 +190,16 @@ def test_only_commands_import_the_cli():
         if not name.startswith("flyspec.cli")
     }
     assert {name: cli for name, cli in importers.items() if cli} == {}
+
+
+def test_only_the_test_oracles_import_the_test_oracles():
+    importers = {
+        name: sorted(target for target in targets if target.startswith("flyspec.testing"))
+        for name, targets in GRAPH.items()
+        if not name.startswith("flyspec.testing")
+    }
+    assert "flyspec.testing" in PACKAGES
+    assert {name: oracles for name, oracles in importers.items() if oracles} == {}
 
 
 def test_the_library_imports_no_application():

@@ -99,7 +99,7 @@ def test_engine_specs_refuse_what_vllm_cannot_run(kwargs, message):
 
 
 def test_vllm_stats_are_per_request_differences_of_running_totals():
-    from flyspec.bench.vllm import VllmStats
+    from flyspec.integrations.vllm.engine import VllmStats
 
     before = VllmStats(rounds=3, drafted=45, accepted_with_loose=30, loosely_accepted=1)
     after = VllmStats(
@@ -124,7 +124,8 @@ def test_vllm_stats_are_per_request_differences_of_running_totals():
 
 def test_a_vllm_summary_pools_its_requests():
     from flyspec.bench.methods import SampleRun
-    from flyspec.bench.vllm import VllmRuns, VllmStats, summarise_vllm_runs
+    from flyspec.bench.vllm import VllmRuns, summarise_vllm_runs
+    from flyspec.integrations.vllm.engine import VllmStats
 
     stats = VllmStats(rounds=2, drafted=30, accepted_with_loose=20, loosely_accepted=2)
     runs = VllmRuns(

@@ -12,7 +12,7 @@ import torch
 
 from flyspec.config import KernelConfig
 from flyspec.errors import FlyspecError
-from flyspec.memory import file_backed, file_mappings, release_file_pages
+from flyspec.models.pages import file_backed, file_mappings, release_file_pages
 
 
 def onednn_linear_available() -> bool:

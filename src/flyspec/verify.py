@@ -62,10 +62,6 @@ class Verdict:
     def num_loose(self) -> int:
         return len(self.loose_positions)
 
-    @property
-    def num_emitted(self) -> int:
-        return self.num_kept + 1
-
     def without_deferral(self) -> Verdict:
         """The plain verdict: cut at the deferred position with the target's correction."""
         if self.deferral is None:
@@ -163,25 +159,6 @@ def window_holds(
     fits = window_end <= block_end
     clamped_end = torch.minimum(window_end, block_end)
     return fits & (rejections_before[clamped_end] == rejections_before[positions + 1])
-
-
-def loose_acceptance(
-    accepted: torch.Tensor,
-    entropy: torch.Tensor,
-    *,
-    window: int,
-    theta: float,
-    cu_num_drafted: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Which rejected positions the paper's rule keeps loosely: ``bool[T], float[T] -> bool[T]``.
-
-    A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
-    and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
-    window to fit in the block (:func:`window_holds`). A second rejection inside the window
-    means the target is correcting a real error, so the first one stays rejected.
-    """
-    holds = window_holds(accepted, window=window, cu_num_drafted=cu_num_drafted)
-    return ~accepted & (entropy >= theta) & holds
 
 
 def plausible(
@@ -325,14 +302,6 @@ def kept_prefix(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tenso
     unkept_through = torch.zeros(kept.shape[0] + 1, dtype=torch.long, device=kept.device)
     unkept_through[1:] = (~kept).long().cumsum(0)
     return unkept_through[1:] == unkept_through[block_start]
-
-
-def num_leading_kept(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
-    """Per request, how many positions of its block are kept before the first unkept one
-    (the cut): ``bool[T], long[B] -> long[B]``. Vectorised, no host sync."""
-    request_of = request_of_positions(cu_num_drafted, kept.shape[0])
-    counts = torch.zeros(cu_num_drafted.shape[0], dtype=torch.long, device=kept.device)
-    return counts.scatter_add(0, request_of, kept_prefix(kept, cu_num_drafted).long())
 
 
 def speculative_acceptance(

@@ -1,12 +1,14 @@
 """The plugin's FLy through vLLM 0.32's CPU kernels against flyspec's rule on the conformance
-batches (flyspec.integrations.vllm.conformance): greedy, sampled and mixed ragged batches with
+batches (flyspec.testing.conformance): greedy, sampled and mixed ragged batches with
 placeholders, rows masked to fewer than 3 finite logits and zero-draft requests."""
 
 import pytest
 import torch
 from vllm.v1.sample import rejection_sampler as vllm_rs
 
-from flyspec.integrations.vllm.conformance import (
+from flyspec.integrations.vllm.metrics import LooseCounter
+from flyspec.integrations.vllm.sampler import FlyVerifier
+from flyspec.testing.conformance import (
     compare,
     coverage,
     emitted_rows,
@@ -14,8 +16,6 @@ from flyspec.integrations.vllm.conformance import (
     random_batch,
     vllm_v1_rejection_inputs,
 )
-from flyspec.integrations.vllm.metrics import LooseCounter
-from flyspec.integrations.vllm.sampler import FlyVerifier
 from tests.vllm.test_rule import metadata
 
 

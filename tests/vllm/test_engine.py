@@ -22,9 +22,9 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from flyspec.bench.prompts import dataset_prompts, encode_prompts
-from flyspec.bench.vllm import read_spec_decode_stats
 from flyspec.config import FlyConfig
 from flyspec.integrations.vllm import additional_config
+from flyspec.integrations.vllm.engine import read_spec_decode_stats
 from flyspec.integrations.vllm.launch import VllmEngineSpec, engine_environment
 from flyspec.models import default_pair_paths, load_tokenizer
 from tests.vllm.cpu import needs_avx512
@@ -37,7 +37,7 @@ PAIR = default_pair_paths()
 @dataclass
 class EngineRun:
     outputs: list[list[int]]
-    stats: object  # flyspec.bench.vllm.VllmStats
+    stats: object  # flyspec.integrations.vllm.engine.VllmStats
 
 
 def engine(additional: dict | None, **overrides) -> LLM:

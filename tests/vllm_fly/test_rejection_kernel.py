@@ -1,5 +1,5 @@
 """vLLM 0.34's built-in FLy (``rejection_sample`` with ``fly_window_size > 0``) against
-flyspec's rule (:func:`flyspec.integrations.vllm.conformance.expected_decisions`)."""
+flyspec's rule (:func:`flyspec.testing.conformance.expected_decisions`)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
-from flyspec.integrations.vllm.conformance import (
+from flyspec.testing.conformance import (
     ConformanceBatch,
     compare,
     coverage,

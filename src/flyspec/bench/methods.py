@@ -159,8 +159,8 @@ def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
     """``method.run(prompt_ids, **settings)`` with the peak resident memory of this process
     and its children (a vLLM engine's) while it ran, and the resident memory the run touched:
     the method's own (its models, caches and buffers), apart from the other methods' models
-    loaded in the same process (:func:`flyspec.memory.touched_bytes`)."""
-    from flyspec.memory import PeakRss, forget_touched, touched_bytes
+    loaded in the same process (:func:`flyspec.rss.touched_bytes`)."""
+    from flyspec.rss import PeakRss, forget_touched, touched_bytes
 
     forget_touched()
     with PeakRss() as watch:

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flyspec.bench.plots import has_per_position, write_plots
-from flyspec.memory import gib
+from flyspec.rss import gib
 from flyspec.spread import UNSTABLE_SPREAD, Spread
 from flyspec.stats import RoundStats, mean_speedup
 

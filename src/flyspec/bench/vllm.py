@@ -9,13 +9,11 @@ then with ``concurrency`` requests in flight (throughput: all new tokens over th
 flyspec's methods then run interleaved among themselves as in :func:`run_benchmark`.
 
 tau, acceptance and loosely accepted tokens of vLLM's methods come from vLLM's own metrics
-(``LLM.get_metrics()``, which the plugin's counter joins), taken before and after each prompt.
+(:mod:`flyspec.integrations.vllm.engine` reads them), taken before and after each prompt.
 """
 
 from __future__ import annotations
 
-import gc
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,160 +21,24 @@ from dataclasses import dataclass, replace
 
 from flyspec.bench.methods import SampleRun, measured_run
 from flyspec.errors import FlyspecError
-from flyspec.integrations.vllm.launch import VllmEngineSpec, engine_environment
+from flyspec.integrations.vllm.engine import VllmEngine, VllmStats, read_spec_decode_stats
+from flyspec.integrations.vllm.launch import VllmEngineSpec
 
 VLLM_METHODS: dict[str, str] = {"vllm-target": "target", "vllm-spd": "spd", "vllm-fly": "fly"}
 """Method name -> mode of the vLLM engine."""
 
-SPEC_DECODE_METRICS = {
-    "vllm:spec_decode_num_drafts": "rounds",
-    "vllm:spec_decode_num_draft_tokens": "drafted",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_with_loose",
-    "vllm:spec_decode_num_loosely_accepted_tokens": "loosely_accepted",
-}
 
-
-PER_POSITION_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-@dataclass(frozen=True)
-class VllmStats:
-    """Speculative-decoding counts of one request (or a running total), from vLLM's
-    metrics."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted_with_loose: int = 0  # vLLM counts loosely accepted tokens as accepted
-    loosely_accepted: int = 0
-    accepted_per_position: tuple[int, ...] = ()  # kept at draft position i, over all rounds
-
-    def combine(self, other: VllmStats, sign: int) -> VllmStats:
-        """``self + sign * other``, field by field."""
-        positions = max(len(self.accepted_per_position), len(other.accepted_per_position))
-
-        def padded(values: tuple[int, ...]) -> list[int]:
-            return list(values) + [0] * (positions - len(values))
-
-        return VllmStats(
-            **{
-                name: getattr(self, name) + sign * getattr(other, name)
-                for name in SPEC_DECODE_METRICS.values()
-            },
-            accepted_per_position=tuple(
-                a + sign * b
-                for a, b in zip(
-                    padded(self.accepted_per_position),
-                    padded(other.accepted_per_position),
-                    strict=True,
-                )
-            ),
-        )
-
-    def __sub__(self, earlier: VllmStats) -> VllmStats:
-        return self.combine(earlier, -1)
-
-    def __add__(self, other: VllmStats) -> VllmStats:
-        return self.combine(other, 1)
-
-    def per_position_acceptance(self) -> list[float]:
-        """P(kept at draft position i) per round (every round drafts all K positions)."""
-        return [round(kept / self.rounds, 4) for kept in self.accepted_per_position]
-
-    def as_dict(self) -> dict:
-        exact = self.accepted_with_loose - self.loosely_accepted
-        return {
-            "rounds": self.rounds,
-            "drafted": self.drafted,
-            "accepted": exact,
-            "loosely_accepted": self.loosely_accepted,
-            "tau": round(1 + self.accepted_with_loose / self.rounds, 4) if self.rounds else None,
-        }
-
-
-def read_spec_decode_stats(llm) -> VllmStats:
-    """The engine's running speculative-decoding counts."""
-    totals = dict.fromkeys(SPEC_DECODE_METRICS.values(), 0)
-    per_position: tuple[int, ...] = ()
-    for metric in llm.get_metrics():
-        field = SPEC_DECODE_METRICS.get(metric.name)
-        if field is not None and hasattr(metric, "value"):
-            totals[field] += int(metric.value)
-        elif metric.name == PER_POSITION_METRIC and hasattr(metric, "values"):
-            per_position = tuple(int(v) for v in metric.values)
-    return VllmStats(**totals, accepted_per_position=per_position)
-
-
-class VllmMethod:
-    """One vLLM engine of a benchmark: started by :meth:`start`, stopped by :meth:`close`."""
+class VllmMethod(VllmEngine):
+    """One vLLM engine of a benchmark, named and described as the report shows it."""
 
     def __init__(self, name: str, spec: VllmEngineSpec, sampling) -> None:
+        super().__init__(spec, sampling)
         self.name = name
-        self.spec = spec
-        self.sampling = sampling
-        self.llm = None
         self.settings = {"engine": "vllm", "mode": spec.mode}
         if spec.mode != "target":
             self.settings.update(drafter=spec.drafter, k=spec.k)
         if spec.mode == "fly":
             self.settings.update(window=spec.fly.window, theta=spec.fly.theta)
-
-    def start(self) -> float:
-        """Start the engine; returns the seconds it took."""
-        from vllm import LLM
-
-        os.environ.update(engine_environment(os.environ))
-        started = time.perf_counter()
-        self.llm = LLM(**self.spec.llm_kwargs())
-        return time.perf_counter() - started
-
-    def _params(self, *, max_new_tokens: int, seed: int | None, stop: Sequence[str] = ()):
-        from vllm import SamplingParams
-
-        sampling = self.sampling
-        return SamplingParams(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k or -1 if sampling.temperature else -1,
-            top_p=sampling.top_p,
-            max_tokens=max_new_tokens,
-            seed=seed,
-            stop=list(stop) or None,
-        )
-
-    def _completions(self, prompts_ids: Sequence[Sequence[int]], params) -> list:
-        """vLLM's first completion of each prompt (``params``: one, or one per prompt)."""
-        from vllm.inputs import TokensPrompt
-
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_ids],
-            params,
-            use_tqdm=False,
-        )
-        return [output.outputs[0] for output in outputs]
-
-    def _generate(self, prompts_ids: Sequence[Sequence[int]], params) -> list[list[int]]:
-        return [new_tokens(completion) for completion in self._completions(prompts_ids, params)]
-
-    def run_all(
-        self,
-        prompts_ids: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: Sequence[int],
-        stops: Sequence[Sequence[str]],
-        seed: int | None,
-    ) -> tuple[list[tuple[list[int], str]], float, VllmStats]:
-        """Every prompt at once, each with its own token budget and stop strings: per prompt
-        (new tokens, vLLM's finish reason), the wall seconds, and the speculative-decoding
-        counts of the whole batch."""
-        params = [
-            self._params(max_new_tokens=budget, seed=seed, stop=stop)
-            for budget, stop in zip(max_new_tokens, stops, strict=True)
-        ]
-        before = read_spec_decode_stats(self.llm)
-        started = time.perf_counter()
-        completions = self._completions(prompts_ids, params)
-        seconds = time.perf_counter() - started
-        results = [(new_tokens(c), c.finish_reason or "") for c in completions]
-        return results, seconds, read_spec_decode_stats(self.llm) - before
 
     def run(
         self,
@@ -187,9 +49,9 @@ class VllmMethod:
         prediction_ids: Sequence[int] | None = None,
     ) -> SampleRun:
         before = read_spec_decode_stats(self.llm)
-        params = self._params(max_new_tokens=max_new_tokens, seed=seed)
+        params = self.params(max_new_tokens=max_new_tokens, seed=seed)
         started = time.perf_counter()
-        (tokens,) = self._generate([prompt_ids], params)
+        (tokens,) = self.generate([prompt_ids], params)
         seconds = time.perf_counter() - started
         return SampleRun(tokens, seconds, read_spec_decode_stats(self.llm) - before)
 
@@ -198,26 +60,10 @@ class VllmMethod:
     ) -> tuple[int, float]:
         """All prompts submitted at once (the engine keeps ``max_num_seqs`` in flight):
         (new tokens, wall seconds)."""
-        params = self._params(max_new_tokens=max_new_tokens, seed=seed)
+        params = self.params(max_new_tokens=max_new_tokens, seed=seed)
         started = time.perf_counter()
-        outputs = self._generate(prompts_ids, params)
+        outputs = self.generate(prompts_ids, params)
         return sum(len(tokens) for tokens in outputs), time.perf_counter() - started
-
-    def close(self) -> None:
-        """Stop the engine's processes and free its memory before the next one starts."""
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-            gc.collect()
-
-
-def new_tokens(completion) -> list[int]:
-    """A completion's new token ids without the end-of-sequence token vLLM appends when it
-    stopped there (flyspec's methods never emit it)."""
-    tokens = list(completion.token_ids)
-    if completion.finish_reason == "stop" and completion.stop_reason is None and tokens:
-        tokens = tokens[:-1]
-    return tokens
 
 
 @dataclass

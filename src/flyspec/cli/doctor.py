@@ -202,7 +202,7 @@ def check_datasets() -> Finding:
 
 
 def check_memory() -> Finding:
-    from flyspec.memory import gib
+    from flyspec.rss import gib
 
     available = _meminfo_bytes("MemAvailable")
     if available is None:

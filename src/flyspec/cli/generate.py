@@ -18,7 +18,7 @@ from flyspec.cli.options import (
     say,
 )
 from flyspec.errors import FlyspecError
-from flyspec.memory import peak_rss_bytes
+from flyspec.rss import peak_rss_bytes
 
 ORIGIN_COLOURS = {
     "exact": "\033[32m",  # green

@@ -66,7 +66,6 @@ def run_models_pull(args: argparse.Namespace) -> int:
 
 
 def run_models_list(args: argparse.Namespace) -> int:
-    from flyspec.memory import gib
     from flyspec.models import (
         DEFAULT_DRAFT,
         DEFAULT_TARGET,
@@ -77,6 +76,7 @@ def run_models_list(args: argparse.Namespace) -> int:
     from flyspec.models.checkpoint import checkpoint_parameters
     from flyspec.models.default_pair import installed_model, model_dir
     from flyspec.models.mirror import gguf_path, is_gguf_installed
+    from flyspec.rss import gib
 
     print(f"cache folder: {flyspec_home()}")
     for role, model in (("draft", DEFAULT_DRAFT), ("target", DEFAULT_TARGET)):

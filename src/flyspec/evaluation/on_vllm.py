@@ -11,6 +11,7 @@ Generations go through the same cache as flyspec's engine, under vLLM's identity
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from flyspec.config import DecodeConfig
 from flyspec.evaluation.cache import GenerationCache
 from flyspec.evaluation.runner import EngineIdentity, EvalMethod, Sample, TaskRun
+from flyspec.integrations.vllm.engine import VllmEngine
 from flyspec.integrations.vllm.launch import VllmEngineSpec
 from flyspec.models.identity import model_identity
 
@@ -55,13 +57,32 @@ def truncate_at_answer(
     token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], is_complete
 ) -> tuple[list[int], bool]:
     """The shortest prefix of ``token_ids`` whose text the task calls complete (flyspec's
-    engine stops there), and whether there was one."""
-    if not is_complete(decode(token_ids)):  # never complete: nothing to look for
-        return list(token_ids), False
-    for end in range(1, len(token_ids) + 1):
-        if is_complete(decode(token_ids[:end])):
-            return list(token_ids[:end]), True
-    return list(token_ids), False
+    engine stops there), and whether there was one.
+
+    A text that is complete stays complete as tokens are added (an answer once stated stays
+    in the text), so the prefix is found in O(log n) decodes of at most twice its length
+    (:func:`first_true`), not one decode per prefix."""
+    token_ids = list(token_ids)
+    if not token_ids or not is_complete(decode(token_ids)):  # never complete: no cut
+        return token_ids, False
+    end = first_true(lambda end: is_complete(decode(token_ids[:end])), len(token_ids))
+    return token_ids[:end], True
+
+
+def first_true(holds: Callable[[int], bool], n: int) -> int:
+    """The least ``end`` in ``1..n`` where ``holds(end)``, for ``holds`` false up to some
+    point and true from there on, and true at ``n``: by doubling from 1, then bisecting."""
+    low, high = 0, 1  # holds(low) is false (or low is 0), holds(high) is unknown
+    while high < n and not holds(high):
+        low, high = high, 2 * high
+    high = min(high, n)  # now holds(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if holds(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -85,8 +106,6 @@ def evaluate_on_vllm(
     """Generate (or take from the cache) and score every (problem, method) pair, one vLLM
     engine per method; the samples in :func:`~flyspec.evaluation.runner.evaluate`'s order,
     and per method what its engine measured."""
-    from flyspec.bench.vllm import VllmMethod, say
-
     identity = vllm_identity(spec, vllm_version)
     jobs = _jobs(runs, methods, base, tokenizer=tokenizer, chat=chat, identity=identity)
     entries = {job.key: cache.get(job.key, job.config) for job in jobs}
@@ -99,11 +118,11 @@ def evaluate_on_vllm(
         engine_spec = replace(
             spec, mode=method.mode, fly=method.fly or spec.fly, max_num_seqs=len(todo)
         )
-        engine = VllmMethod(method.name, engine_spec, base.sampling)
-        say(f"starting vLLM for {method.name} ...")
+        engine = VllmEngine(engine_spec, base.sampling)
+        _say(f"starting vLLM for {method.name} ...")
         start_seconds = engine.start()
         try:
-            say(f"{method.name}: engine started in {start_seconds:.0f}s; {len(todo)} in flight")
+            _say(f"{method.name}: engine started in {start_seconds:.0f}s; {len(todo)} in flight")
             results, seconds, stats = engine.run_all(
                 [job.prompt_ids for job in todo],
                 max_new_tokens=[job.config.max_new_tokens for job in todo],
@@ -125,7 +144,7 @@ def evaluate_on_vllm(
             "tokens_per_second": round(new_tokens / seconds, 3) if seconds else None,
             **stats.as_dict(),
         }
-        say(f"{method.name}: {len(todo)} generations in {seconds:.0f}s")
+        _say(f"{method.name}: {len(todo)} generations in {seconds:.0f}s")
     samples = [
         Sample(
             task=job.run.task.name,
@@ -185,3 +204,7 @@ def _entry(job: Job, token_ids, finish_reason: str, *, seconds: float, tokenizer
         "method": job.method.as_dict(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -185,6 +186,60 @@ def empty_batch_safe(apply_sampling_constraints: Callable[..., torch.Tensor]) ->
     return apply
 
 
+@dataclass(frozen=True)
+class RejectionBatch:
+    """One call of vLLM's ``rejection_sample``: ``T`` flattened draft positions of ``B``
+    requests, and how the requests sample."""
+
+    draft_token_ids: torch.Tensor  # int32[T]; -1 pads a request's block
+    num_draft_tokens: list[int]  # [B]
+    max_spec_len: int
+    cu_num_draft_tokens: torch.Tensor  # int32[B], inclusive
+    draft_probs: torch.Tensor | None  # [T, V], None for one-hot (greedy, n-gram) drafts
+    target_logits: torch.Tensor  # float32[T, V], as vLLM's sampler verifies with
+    bonus_token_ids: torch.Tensor  # [B, 1]
+    sampling_metadata: object  # vLLM's SamplingMetadata
+    use_fp64_gumbel: bool = False
+
+
+@dataclass(frozen=True)
+class FlyDecisions:
+    """What FLy decided on a :class:`RejectionBatch`, position by position.
+
+    ``kept`` (``bool[T]``): accepted by vLLM's rule or loosely by FLy; a request emits its
+    kept positions up to its first unkept one. ``loose`` (``bool[T]``): loosely accepted.
+    ``target_argmax`` (``long[T]``). Where some request samples: ``target_probs``
+    (``float32[T, V]``), vLLM's draws ``uniform_probs`` (``[T]``) and ``is_greedy``
+    (``bool[B]``); None when every request is greedy.
+    """
+
+    kept: torch.Tensor
+    loose: torch.Tensor
+    target_argmax: torch.Tensor
+    target_probs: torch.Tensor | None = None
+    uniform_probs: torch.Tensor | None = None
+    is_greedy: torch.Tensor | None = None
+
+
+def sampled_acceptance(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniform_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's acceptance with vLLM's draws, and where the draft could draw
+    its token at all (a draft probability above 0): ``long[T], [T, V] | None, [T, V], [T] ->
+    (bool[T], bool[T])``. ``draft_probs`` None: one-hot drafts."""
+    index = draft_ids.clamp_min(0)[:, None]
+    target_at_draft = target_probs.gather(1, index).squeeze(1)
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs.gather(1, index).squeeze(1)
+    accepted = speculative_acceptance(target_at_draft, draft_at_draft, uniform_probs)
+    return accepted, draft_at_draft > 0
+
+
 class FlyVerifier:
     """FLy for one vLLM model runner: the rule, vLLM's sampler module it drives, and the
     count of loosely accepted tokens it emitted."""
@@ -196,57 +251,63 @@ class FlyVerifier:
 
     def rejection_sample(
         self,
-        draft_token_ids: torch.Tensor,  # int32[T]; -1 pads a request's block
-        num_draft_tokens: list[int],  # [B]
+        draft_token_ids: torch.Tensor,
+        num_draft_tokens: list[int],
         max_spec_len: int,
-        cu_num_draft_tokens: torch.Tensor,  # int32[B]
-        draft_probs: torch.Tensor | None,  # [T, V], None for one-hot (greedy, n-gram) drafts
-        target_logits: torch.Tensor,  # float32[T, V], as vLLM's sampler verifies with
-        bonus_token_ids: torch.Tensor,  # [B, 1]
+        cu_num_draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        target_logits: torch.Tensor,
+        bonus_token_ids: torch.Tensor,
         sampling_metadata,
         synthetic_mode: bool = False,
         synthetic_conditional_rates: torch.Tensor | None = None,
         use_fp64_gumbel: bool = False,
     ) -> torch.Tensor:
-        """vLLM's ``rejection_sample`` with FLy: the output ``int32[B, max_spec_len + 1]``,
-        emitted tokens then ``PLACEHOLDER_TOKEN_ID``."""
+        """vLLM's ``rejection_sample`` with FLy (arguments as :class:`RejectionBatch`):
+        :meth:`decide`, then :meth:`emit`. The output ``int32[B, max_spec_len + 1]``, emitted
+        tokens then ``PLACEHOLDER_TOKEN_ID``."""
         if synthetic_mode:
             raise VllmPluginError("FLy cannot be combined with synthetic rejection sampling")
-        vllm_rs = self.vllm
-        device = target_logits.device
-        num_tokens = draft_token_ids.shape[0]
-        output_token_ids = torch.full(
-            (len(num_draft_tokens), max_spec_len + 1),
-            vllm_rs.PLACEHOLDER_TOKEN_ID,
-            dtype=torch.int32,
-            device=device,
+        batch = RejectionBatch(
+            draft_token_ids=draft_token_ids,
+            num_draft_tokens=num_draft_tokens,
+            max_spec_len=max_spec_len,
+            cu_num_draft_tokens=cu_num_draft_tokens,
+            draft_probs=draft_probs,
+            target_logits=target_logits,
+            bonus_token_ids=bonus_token_ids,
+            sampling_metadata=sampling_metadata,
+            use_fp64_gumbel=use_fp64_gumbel,
         )
-        all_greedy = sampling_metadata.all_greedy
-        is_greedy = None
-        if not all_greedy:
-            is_greedy = sampling_metadata.temperature == vllm_rs.GREEDY_TEMPERATURE
-        draft_ids = draft_token_ids.long()
-        index = draft_ids.clamp_min(0)[:, None]
-        real_draft = draft_ids >= 0
+        decisions = self.decide(batch)
+        self.counter.add(decisions.loose & kept_prefix(decisions.kept, cu_num_draft_tokens))
+        return self.emit(batch, decisions)
 
+    def decide(self, batch: RejectionBatch) -> FlyDecisions:
+        """What vLLM's rule accepts (exact match for greedy requests, speculative sampling
+        with vLLM's own draws for sampled ones), and what FLy keeps loosely of the rest."""
+        metadata = batch.sampling_metadata
+        target_logits = batch.target_logits
+        num_tokens = batch.draft_token_ids.shape[0]
+        draft_ids = batch.draft_token_ids.long()
+        real_draft = draft_ids >= 0
         target_argmax = target_logits.argmax(dim=-1)  # [T]
         accepted = draft_ids == target_argmax
-        allowed = real_draft & (target_logits.gather(1, index).squeeze(1) > -math.inf)
-        target_probs = uniform_probs = None
-        if not all_greedy:
-            uniform_probs = vllm_rs.generate_uniform_probs(
-                num_tokens, num_draft_tokens, sampling_metadata.generators, device
+        at_draft = target_logits.gather(1, draft_ids.clamp_min(0)[:, None]).squeeze(1)
+        allowed = real_draft & (at_draft > -math.inf)
+        target_probs = uniform_probs = is_greedy = None
+        if not metadata.all_greedy:
+            is_greedy = metadata.temperature == self.vllm.GREEDY_TEMPERATURE
+            uniform_probs = self.vllm.generate_uniform_probs(
+                num_tokens, batch.num_draft_tokens, metadata.generators, target_logits.device
             )
             target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-            target_at_draft = target_probs.gather(1, index).squeeze(1)
-            if draft_probs is None:
-                draft_at_draft = torch.ones_like(target_at_draft)
-            else:
-                draft_at_draft = draft_probs.gather(1, index).squeeze(1)
-            sampled = speculative_acceptance(target_at_draft, draft_at_draft, uniform_probs)
-            greedy_position = is_greedy[request_of_positions(cu_num_draft_tokens, num_tokens)]
+            sampled, drawable = sampled_acceptance(
+                draft_ids, batch.draft_probs, target_probs, uniform_probs
+            )
+            greedy_position = is_greedy[request_of_positions(batch.cu_num_draft_tokens, num_tokens)]
             accepted = torch.where(greedy_position, accepted, sampled)
-            allowed &= greedy_position | (draft_at_draft > 0)
+            allowed &= greedy_position | drawable
         accepted &= real_draft
         loose = loosely_accepted(
             accepted,
@@ -254,55 +315,84 @@ class FlyVerifier:
             draft_ids,
             allowed,
             fly=self.fly,
-            cu_num_drafted=cu_num_draft_tokens,
+            cu_num_drafted=batch.cu_num_draft_tokens,
         )
-        kept = accepted | loose
-        self.counter.add(loose & kept_prefix(kept, cu_num_draft_tokens))
+        return FlyDecisions(
+            kept=accepted | loose,
+            loose=loose,
+            target_argmax=target_argmax,
+            target_probs=target_probs,
+            uniform_probs=uniform_probs,
+            is_greedy=is_greedy,
+        )
 
-        if not sampling_metadata.all_random:
-            greedy_targets = torch.where(loose, draft_ids, target_argmax)
-            vllm_rs._rejection_greedy_sample(
-                output_token_ids=output_token_ids,
-                cu_num_draft_tokens=cu_num_draft_tokens,
-                draft_token_ids=draft_token_ids,
-                target_argmax=greedy_targets,
-                bonus_token_ids=bonus_token_ids,
-                is_greedy=is_greedy,
-                max_spec_len=max_spec_len,
-                uniform_probs=None,
-                synthetic_conditional_rates=None,
-            )
-            if all_greedy:
+    def emit(self, batch: RejectionBatch, decisions: FlyDecisions) -> torch.Tensor:
+        """vLLM's greedy and random kernels emitting ``decisions``: the output
+        ``int32[B, max_spec_len + 1]``. Corrections, bonus tokens and the layout stay
+        vLLM's."""
+        output_token_ids = torch.full(
+            (len(batch.num_draft_tokens), batch.max_spec_len + 1),
+            self.vllm.PLACEHOLDER_TOKEN_ID,
+            dtype=torch.int32,
+            device=batch.target_logits.device,
+        )
+        metadata = batch.sampling_metadata
+        if not metadata.all_random:
+            self._emit_greedy(batch, decisions, output_token_ids)
+            if metadata.all_greedy:
                 return output_token_ids
+        self._emit_sampled(batch, decisions, output_token_ids)
+        return output_token_ids
 
-        recovered_token_ids = vllm_rs.sample_recovered_tokens(
-            max_spec_len,
-            num_draft_tokens,
-            cu_num_draft_tokens,
-            draft_token_ids,
-            draft_probs,
-            target_probs,
-            sampling_metadata,
-            device,
-            use_fp64_gumbel,
+    def _emit_greedy(
+        self, batch: RejectionBatch, decisions: FlyDecisions, output_token_ids: torch.Tensor
+    ) -> None:
+        """The greedy requests' tokens, with the argmax moved to the draft token at each
+        loosely kept position."""
+        draft_ids = batch.draft_token_ids.long()
+        self.vllm._rejection_greedy_sample(
+            output_token_ids=output_token_ids,
+            cu_num_draft_tokens=batch.cu_num_draft_tokens,
+            draft_token_ids=batch.draft_token_ids,
+            target_argmax=torch.where(decisions.loose, draft_ids, decisions.target_argmax),
+            bonus_token_ids=batch.bonus_token_ids,
+            is_greedy=decisions.is_greedy,
+            max_spec_len=batch.max_spec_len,
+            uniform_probs=None,
+            synthetic_conditional_rates=None,
+        )
+
+    def _emit_sampled(
+        self, batch: RejectionBatch, decisions: FlyDecisions, output_token_ids: torch.Tensor
+    ) -> None:
+        """The sampled requests' tokens, the kept positions forced through vLLM's draws."""
+        recovered_token_ids = self.vllm.sample_recovered_tokens(
+            batch.max_spec_len,
+            batch.num_draft_tokens,
+            batch.cu_num_draft_tokens,
+            batch.draft_token_ids,
+            batch.draft_probs,
+            decisions.target_probs,
+            batch.sampling_metadata,
+            batch.target_logits.device,
+            batch.use_fp64_gumbel,
         )
         # vLLM's kernel keeps a position when target / draft >= its draw: a draw of 0 keeps
         # it, infinity rejects it, so the kernel emits the decisions made above.
-        forced_draws = torch.where(kept, 0.0, math.inf).to(uniform_probs.dtype)
-        vllm_rs._rejection_random_sample(
+        forced_draws = torch.where(decisions.kept, 0.0, math.inf)
+        self.vllm._rejection_random_sample(
             output_token_ids=output_token_ids,
-            cu_num_draft_tokens=cu_num_draft_tokens,
-            draft_token_ids=draft_token_ids,
-            draft_probs=draft_probs,
-            target_probs=target_probs,
-            bonus_token_ids=bonus_token_ids,
+            cu_num_draft_tokens=batch.cu_num_draft_tokens,
+            draft_token_ids=batch.draft_token_ids,
+            draft_probs=batch.draft_probs,
+            target_probs=decisions.target_probs,
+            bonus_token_ids=batch.bonus_token_ids,
             recovered_token_ids=recovered_token_ids,
-            uniform_probs=forced_draws,
-            is_greedy=is_greedy,
-            max_spec_len=max_spec_len,
+            uniform_probs=forced_draws.to(decisions.uniform_probs.dtype),
+            is_greedy=decisions.is_greedy,
+            max_spec_len=batch.max_spec_len,
             synthetic_conditional_rates=None,
         )
-        return output_token_ids
 
 
 def dispatching_rejection_sample(original: Callable[..., torch.Tensor]) -> Callable:

@@ -1,4 +1,5 @@
-"""Engine-independent conformance batches for FLy's verification rule.
+"""Engine-independent conformance batches for FLy's verification rule, and the batched
+statements of the rule they are decided with.
 
 A :class:`ConformanceBatch` is a random ragged batch of draft blocks with the target logits an
 engine verifies them with; :func:`expected_decisions` is what flyspec's rule
@@ -28,9 +29,10 @@ from flyspec.config import FlyConfig
 from flyspec.verify import (
     kept_prefix,
     loosely_accepted,
-    num_leading_kept,
+    request_of_positions,
     speculative_acceptance,
     top3_entropy,
+    window_holds,
 )
 
 MIN_UNIFORM = 2.0**-32  # the smallest uniform draw a 32-bit generator gives (0 excluded)
@@ -324,6 +326,34 @@ def check_margins(batch: ConformanceBatch) -> None:
 
 
 # --------------------------------------------------------------------------- flyspec's rule
+
+
+def loose_acceptance(
+    accepted: torch.Tensor,
+    entropy: torch.Tensor,
+    *,
+    window: int,
+    theta: float,
+    cu_num_drafted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which rejected positions the paper's rule keeps loosely: ``bool[T], float[T] -> bool[T]``.
+
+    A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
+    and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
+    window to fit in the block (:func:`~flyspec.verify.window_holds`). A second rejection
+    inside the window means the target is correcting a real error, so the first one stays
+    rejected.
+    """
+    holds = window_holds(accepted, window=window, cu_num_drafted=cu_num_drafted)
+    return ~accepted & (entropy >= theta) & holds
+
+
+def num_leading_kept(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
+    """Per request, how many positions of its block are kept before the first unkept one
+    (the cut): ``bool[T], long[B] -> long[B]``. Vectorised, no host sync."""
+    request_of = request_of_positions(cu_num_drafted, kept.shape[0])
+    counts = torch.zeros(cu_num_drafted.shape[0], dtype=torch.long, device=kept.device)
+    return counts.scatter_add(0, request_of, kept_prefix(kept, cu_num_drafted).long())
 
 
 def native_acceptance(batch: ConformanceBatch) -> torch.Tensor:
