@@ -15,6 +15,8 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flyspec.bench.methods import (
     LOSSLESS_METHODS,
@@ -25,6 +27,9 @@ from flyspec.bench.methods import (
 )
 from flyspec.bench.prompts import BenchPrompt
 from flyspec.errors import FlyspecError
+
+if TYPE_CHECKING:
+    from flyspec.config import DecodeConfig
 
 __all__ = ["add_flyspec_methods", "console_notes", "lossless_warnings", "run_benchmark"]
 
@@ -51,55 +56,140 @@ def run_benchmark(
     llama.cpp's run); ``llamacpp_engine``: the same pair on llama.cpp, for the ``llamacpp-*``
     methods, whose outputs are compared with ``llamacpp-target``'s where it runs. Speedups are
     over ``baseline``, and also over ``llamacpp-target`` where it runs."""
-    from tqdm import tqdm
-
-    from flyspec.bench.prompts import encode_prediction, encode_prompts
-    from flyspec.bench.report import (
-        decoding_settings,
-        environment,
-        sample_records,
-        summarise_method,
-    )
-    from flyspec.machine import CpuMonitor, combined_load
+    from flyspec.bench.report import environment
+    from flyspec.machine import combined_load
 
     method_names = parse_methods(",".join(method_names), baseline=baseline)
+    _check_inputs(prompts, repeats)
+    pair = engine or llamacpp_engine
+    workload = _Workload.encode(pair.tokenizer, prompts, config)
+    failures = MethodFailures(baseline)
+    methods = _load_methods(method_names, engine, workload, failures, llamacpp=llamacpp_engine)
+    if warmup:
+        _warm_up(methods, workload, failures, progress=progress)
+    measured = _measure(methods, workload, failures, repeats=repeats, progress=progress)
+    methods = [method for method in methods if method.name not in failures]
+    samples, summaries = _summarise(methods, workload, measured.runs, baseline=baseline)
+    if LLAMACPP_BASELINE in samples:
+        _add_llamacpp_speedups(summaries, samples)
+    return {
+        "config": _run_config(
+            workload,
+            method_names,
+            measured.orders,
+            pair=pair,
+            llamacpp_engine=llamacpp_engine,
+            dataset=dataset,
+            baseline=baseline,
+            warmup=warmup,
+            repeats=repeats,
+        ),
+        "environment": environment(),
+        "machine_load": combined_load(measured.loads).as_dict(),
+        "machine_load_per_repeat": [one.as_dict() for one in measured.loads],
+        "methods": summaries,
+        "failed_methods": failures.as_list(),
+        "prompts": [prompt.as_dict() for prompt in prompts],
+        "samples": samples,
+    }
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """The prompts every method runs on, as token ids, with the decoding settings and the
+    tokenizer."""
+
+    prompts: Sequence[BenchPrompt]
+    prompt_ids: list[list[int]]
+    prediction_ids: list[list[int] | None]
+    config: DecodeConfig
+    tokenizer: object
+
+    @classmethod
+    def encode(cls, tokenizer, prompts: Sequence[BenchPrompt], config: DecodeConfig) -> _Workload:
+        from flyspec.bench.prompts import encode_prediction, encode_prompts
+
+        prompt_ids = encode_prompts(tokenizer, prompts)
+        prediction_ids = [encode_prediction(tokenizer, prompt) for prompt in prompts]
+        return cls(prompts, prompt_ids, prediction_ids, config, tokenizer)
+
+    def seed(self, index: int) -> int | None:
+        """The sampling seed of the ``index``-th prompt (None: unseeded)."""
+        seed = self.config.sampling.seed
+        return None if seed is None else seed + index
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class _Measurements:
+    """The timed runs, ``runs[name][repeat][prompt]``, and each repeat's machine load and
+    order of methods."""
+
+    runs: dict[str, list[list]]
+    loads: list = field(default_factory=list)
+    orders: list[list[str]] = field(default_factory=list)
+
+
+def _check_inputs(prompts: Sequence[BenchPrompt], repeats: int) -> None:
+    """FlyspecError where there is nothing to run."""
     if not prompts:
         raise FlyspecError("no prompts to benchmark")
     if repeats < 1:
         raise FlyspecError(f"repeats must be >= 1, got {repeats}")
-    tokenizer = (engine or llamacpp_engine).tokenizer
-    prompt_ids = encode_prompts(tokenizer, prompts)
-    prediction_ids = [encode_prediction(tokenizer, prompt) for prompt in prompts]
-    seed = config.sampling.seed
-    failures = MethodFailures(baseline)
-    longest = max(len(ids) for ids in prompt_ids) + config.max_new_tokens
+
+
+def _load_methods(
+    method_names: Sequence[str], engine, workload: _Workload, failures: MethodFailures, *, llamacpp
+) -> list:
+    """Each method that loads; those that fail are recorded in ``failures``."""
+    config = workload.config
+    longest = max(len(ids) for ids in workload.prompt_ids) + config.max_new_tokens
     methods = []
     for name in method_names:
         with failures.catch(name, during="loading"):
             methods.append(
-                make_method(name, engine, config, llamacpp_engine=llamacpp_engine, longest=longest)
+                make_method(name, engine, config, llamacpp_engine=llamacpp, longest=longest)
+            )
+    return methods
+
+
+def _warm_up(
+    methods: Sequence, workload: _Workload, failures: MethodFailures, *, progress: bool
+) -> None:
+    """One short, untimed generation per method, on the first prompt."""
+    from tqdm import tqdm
+
+    config = workload.config
+    warmup_tokens = min(config.max_new_tokens, 2 * (config.k + 1))
+    for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress):
+        with failures.catch(method.name, during="the warm-up"):
+            method.run(
+                workload.prompt_ids[0],
+                max_new_tokens=warmup_tokens,
+                seed=workload.seed(0),
+                prediction_ids=workload.prediction_ids[0],
             )
 
-    def sample_seed(index: int) -> int | None:
-        return None if seed is None else seed + index
 
-    if warmup:
-        warmup_tokens = min(config.max_new_tokens, 2 * (config.k + 1))
-        for method in tqdm(methods, desc="warm-up", file=sys.stderr, disable=not progress):
-            with failures.catch(method.name, during="the warm-up"):
-                method.run(
-                    prompt_ids[0],
-                    max_new_tokens=warmup_tokens,
-                    seed=sample_seed(0),
-                    prediction_ids=prediction_ids[0],
-                )
+def _measure(
+    methods: Sequence,
+    workload: _Workload,
+    failures: MethodFailures,
+    *,
+    repeats: int,
+    progress: bool,
+) -> _Measurements:
+    """The timed runs: each repeat runs every method once per prompt, the order rotated by one
+    method per repeat so that no method always runs first after another."""
+    from tqdm import tqdm
 
-    # runs[name][repeat][prompt]; each repeat runs every method once per prompt, the order
-    # rotated by one method per repeat so that no method always runs first after another.
-    runs: dict[str, list[list]] = {method.name: [[] for _ in range(repeats)] for method in methods}
-    loads, orders = [], []
+    from flyspec.machine import CpuMonitor
+
+    measured = _Measurements({method.name: [[] for _ in range(repeats)] for method in methods})
     bar = tqdm(
-        total=repeats * len(prompts) * len(methods),
+        total=repeats * len(workload.prompts) * len(methods),
         desc="bench",
         file=sys.stderr,
         disable=not progress,
@@ -107,102 +197,141 @@ def run_benchmark(
     with bar:
         for repeat in range(repeats):
             order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
-            orders.append([method.name for method in order])
+            measured.orders.append([method.name for method in order])
             with CpuMonitor() as monitor:
-                for index, ids in enumerate(prompt_ids):
-                    for method in order:
-                        bar.update()
-                        if method.name in failures:
-                            continue
-                        bar.set_postfix_str(
-                            f"{repeat + 1}/{repeats} {prompts[index].id} {method.name}",
-                            refresh=False,
-                        )
-                        with failures.catch(method.name, during=f"prompt {prompts[index].id}"):
-                            runs[method.name][repeat].append(
-                                measured_run(
-                                    method,
-                                    ids,
-                                    max_new_tokens=config.max_new_tokens,
-                                    seed=sample_seed(index),
-                                    prediction_ids=prediction_ids[index],
-                                )
-                            )
-            loads.append(monitor.load)
-    load = combined_load(loads)
+                _run_repeat(order, workload, failures, measured.runs, repeat, repeats, bar)
+            measured.loads.append(monitor.load)
+    return measured
+
+
+def _run_repeat(
+    order: Sequence,
+    workload: _Workload,
+    failures: MethodFailures,
+    runs: dict[str, list[list]],
+    repeat: int,
+    repeats: int,
+    bar,
+) -> None:
+    """One repeat: on each prompt in turn, the methods in ``order`` that have not failed."""
+    for index, ids in enumerate(workload.prompt_ids):
+        prompt_id = workload.prompts[index].id
+        for method in order:
+            bar.update()
+            if method.name in failures:
+                continue
+            bar.set_postfix_str(f"{repeat + 1}/{repeats} {prompt_id} {method.name}", refresh=False)
+            with failures.catch(method.name, during=f"prompt {prompt_id}"):
+                runs[method.name][repeat].append(
+                    measured_run(
+                        method,
+                        ids,
+                        max_new_tokens=workload.config.max_new_tokens,
+                        seed=workload.seed(index),
+                        prediction_ids=workload.prediction_ids[index],
+                    )
+                )
+
+
+def _summarise(
+    methods: Sequence, workload: _Workload, runs: dict[str, list[list]], *, baseline: str
+) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Each method's per-sample records (every repeat's) and its summary, the baseline's
+    first."""
+    from flyspec.bench.report import summarise_method
 
     samples: dict[str, list[dict]] = {}
     summaries = []
-    methods = [method for method in methods if method.name not in failures]
     measured_names = [method.name for method in methods]
     for method in methods:
         reference = reference_method(method.name, measured_names, baseline)
-        records = [
-            record
-            for repeat in range(repeats)
-            for record in sample_records(
-                prompts,
-                prompt_ids,
-                runs[method.name][repeat],
-                runs[reference][repeat],
-                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                repeat=repeat,
-            )
-        ]
-        samples[method.name] = records
-        with_rounds = all(run.stats is not None for repeat in runs[method.name] for run in repeat)
-        rounds = (
-            [r for repeat in runs[method.name] for run in repeat for r in run.stats.rounds]
-            if with_rounds
-            else None
-        )
+        samples[method.name] = _records(workload, runs[method.name], runs[reference])
         summary = summarise_method(
             method.name,
-            records,
-            rounds,
+            samples[method.name],
+            _rounds(runs[method.name]),
             _speeds(samples, baseline),  # the baseline runs first
-            k=getattr(method, "config", config).k,
+            k=getattr(method, "config", workload.config).k,
             settings=method.settings,
         )
         summary["identical_to"] = reference
         summaries.append(summary)
-    if LLAMACPP_BASELINE in samples:
-        for summary in summaries:
-            summary["speedup_over_llamacpp"] = _speedup_over(
-                summary, samples, _speeds(samples, LLAMACPP_BASELINE)
-            )
-            summary["decode_speedup_over_llamacpp"] = _speedup_over(
-                summary,
-                samples,
-                _speeds(samples, LLAMACPP_BASELINE, "decode_tokens_per_second"),
-                "decode_tokens_per_second",
-            )
+    return samples, summaries
+
+
+def _records(workload: _Workload, own: list[list], reference: list[list]) -> list[dict]:
+    """A method's per-sample records, repeat after repeat, its outputs compared with those of
+    the ``reference`` runs."""
+    from flyspec.bench.report import sample_records
+
+    return [
+        record
+        for repeat in range(len(own))
+        for record in sample_records(
+            workload.prompts,
+            workload.prompt_ids,
+            own[repeat],
+            reference[repeat],
+            decode=workload.decode,
+            repeat=repeat,
+        )
+    ]
+
+
+def _rounds(method_runs: list[list]) -> list | None:
+    """Every round of a method's runs, None where some run has no statistics."""
+    if not all(run.stats is not None for repeat in method_runs for run in repeat):
+        return None
+    return [r for repeat in method_runs for run in repeat for r in run.stats.rounds]
+
+
+def _add_llamacpp_speedups(summaries: list[dict], samples: dict) -> None:
+    """Each summary's speedups over llama.cpp's plain decoding."""
+    for summary in summaries:
+        summary["speedup_over_llamacpp"] = _speedup_over(
+            summary, samples, _speeds(samples, LLAMACPP_BASELINE)
+        )
+        summary["decode_speedup_over_llamacpp"] = _speedup_over(
+            summary,
+            samples,
+            _speeds(samples, LLAMACPP_BASELINE, "decode_tokens_per_second"),
+            "decode_tokens_per_second",
+        )
+
+
+def _run_config(
+    workload: _Workload,
+    method_names: Sequence[str],
+    orders: list[list[str]],
+    *,
+    pair,
+    llamacpp_engine,
+    dataset: str,
+    baseline: str,
+    warmup: bool,
+    repeats: int,
+) -> dict:
+    """The report's ``config``: what ran, on what, and how it was timed."""
+    from flyspec.bench.report import decoding_settings
+
+    config = workload.config
     return {
-        "config": {
-            "dataset": dataset,
-            "prompts": len(prompts),
-            "methods": list(method_names),
-            **decoding_settings(config),
-            "max_ngram": config.max_ngram,
-            "mla_proposals": config.mla_proposals,
-            "draft_confidence": config.draft_confidence,
-            "baseline": baseline,
-            "target": (engine or llamacpp_engine).target_name,
-            "draft": (engine or llamacpp_engine).draft_name,
-            "llamacpp": None if llamacpp_engine is None else llamacpp_engine.kernels,
-            "warmup": warmup,
-            "repeats": repeats,
-            "method_order_per_repeat": orders,
-            "timing": "wall time of each call (prefill included), interleaved per prompt; "
-            "each repeat rotates the method order",
-        },
-        "environment": environment(),
-        "machine_load": load.as_dict(),
-        "machine_load_per_repeat": [one.as_dict() for one in loads],
-        "methods": summaries,
-        "failed_methods": failures.as_list(),
-        "prompts": [prompt.as_dict() for prompt in prompts],
-        "samples": samples,
+        "dataset": dataset,
+        "prompts": len(workload.prompts),
+        "methods": list(method_names),
+        **decoding_settings(config),
+        "max_ngram": config.max_ngram,
+        "mla_proposals": config.mla_proposals,
+        "draft_confidence": config.draft_confidence,
+        "baseline": baseline,
+        "target": pair.target_name,
+        "draft": pair.draft_name,
+        "llamacpp": None if llamacpp_engine is None else llamacpp_engine.kernels,
+        "warmup": warmup,
+        "repeats": repeats,
+        "method_order_per_repeat": orders,
+        "timing": "wall time of each call (prefill included), interleaved per prompt; "
+        "each repeat rotates the method order",
     }
 
 

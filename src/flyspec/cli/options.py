@@ -245,13 +245,32 @@ RULE_OPTIONS = (*LOOSENING_OPTIONS, "entropy")
 """Every field of :class:`flyspec.config.FlyConfig`, by destination: what a calibration sets."""
 
 
+_Option = tuple[tuple[str, ...], dict]
+"""An option's flags and the keyword arguments of its ``add_argument``."""
+
+
 def add_decode_arguments(
     parser: argparse.ArgumentParser, *, leave_out: Collection[str] = ()
 ) -> None:
     """The decoding settings of :class:`flyspec.config.DecodeConfig`, but those whose
     destination is in ``leave_out`` (a command that fixes them, or takes them in another form).
     :func:`decode_config_from_args` gives the ones left out the config's defaults."""
-    options: list[tuple[tuple[str, ...], dict]] = [
+    options = [
+        *_method_options(),
+        *_fly_rule_options(),
+        *_sampling_options(),
+        *_length_options(),
+    ]
+    if set(RULE_OPTIONS) <= set(leave_out):
+        leave_out = {*leave_out, "no_calibration"}  # nothing left for a calibration to set
+    for flags, settings in options:
+        if flags[-1].removeprefix("--").replace("-", "_") not in leave_out:
+            parser.add_argument(*flags, **settings)
+
+
+def _method_options() -> list[_Option]:
+    """The decoding method, its drafter and the length of its draft blocks."""
+    return [
         (("--mode",), dict(default="fly", choices=cfg.MODES, help="default: fly")),
         (("--drafter",), dict(default="model", choices=cfg.DRAFTERS, help="default: model")),
         (
@@ -263,6 +282,12 @@ def add_decode_arguments(
                 "target alone) to 15 for the most expected tokens per second",
             ),
         ),
+    ]
+
+
+def _fly_rule_options() -> list[_Option]:
+    """FLy's loosening rule, and where it comes from (the pair's calibration or the paper)."""
+    return [
         (
             ("--window",),
             dict(
@@ -344,6 +369,12 @@ def add_decode_arguments(
                 "rule for this pair",
             ),
         ),
+    ]
+
+
+def _sampling_options() -> list[_Option]:
+    """How the target and the draft pick their tokens, and where a draft block ends early."""
+    return [
         (
             ("--temperature",),
             dict(type=number, default=0.0, help="target temperature (default 0: greedy)"),
@@ -368,6 +399,12 @@ def add_decode_arguments(
             ),
         ),
         (("--seed",), dict(type=int, default=None, help="random seed for sampling")),
+    ]
+
+
+def _length_options() -> list[_Option]:
+    """Where a generation ends: its token budget and its stop strings."""
+    return [
         (
             ("--max-new-tokens",),
             dict(type=int, default=cfg.DEFAULT_MAX_NEW_TOKENS, help="default 128"),
@@ -377,11 +414,6 @@ def add_decode_arguments(
             dict(action="append", default=[], help="stop string (repeatable), not emitted"),
         ),
     ]
-    if set(RULE_OPTIONS) <= set(leave_out):
-        leave_out = {*leave_out, "no_calibration"}  # nothing left for a calibration to set
-    for flags, settings in options:
-        if flags[-1].removeprefix("--").replace("-", "_") not in leave_out:
-            parser.add_argument(*flags, **settings)
 
 
 def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConfig:

@@ -14,7 +14,7 @@ from flyspec.config import DecodeConfig
 from flyspec.errors import FlyspecError
 
 if TYPE_CHECKING:
-    from flyspec.evaluation.runner import EvalMethod
+    from flyspec.evaluation.runner import EngineIdentity, EvalMethod
     from flyspec.integrations.vllm.launch import VllmEngineSpec
 
 TASKS = ("humaneval", "humaneval-edit", "gsm8k")
@@ -80,23 +80,68 @@ def run_evaluation(
     ``vllm_spec``: generate with vLLM engines like this one instead
     (:mod:`flyspec.evaluation.on_vllm`; ``load_engine`` is then not called).
     """
-    from flyspec.evaluation import loosening, report
-    from flyspec.evaluation.cache import GenerationCache, decoding_identity
-    from flyspec.evaluation.runner import EngineIdentity, TaskRun, evaluate
-    from flyspec.evaluation.tasks import load_problems, make_task
+    from flyspec.evaluation.cache import GenerationCache
 
-    sandbox = None
-    if any(name.startswith("humaneval") for name in settings.tasks):
-        from flyspec.evaluation.sandbox import sandbox_info
-
-        # Before anything is written or loaded: a bad FLYSPEC_SANDBOX is a one-line error.
-        sandbox = sandbox_info().as_dict()
-        _say(
-            f"sandbox for HumanEval programs: {sandbox['backend']}, run-wide limits by "
-            f"{sandbox['run_limits']} ({sandbox['interpreter']})"
+    sandbox = _sandbox(settings.tasks)
+    runs = _task_runs(settings, problems)
+    output.mkdir(parents=True, exist_ok=True)
+    cache = GenerationCache(settings.cache_dir)
+    engine, tokenizer = _load_models(settings, base, load_engine, vllm_spec)
+    chat = _uses_chat_template(tokenizer, settings.prompt_style)
+    started = time.perf_counter()
+    if vllm_spec is None:
+        generated = _generate_on_flyspec(engine, runs, settings, base, cache=cache, chat=chat)
+    else:
+        generated = _generate_on_vllm(
+            vllm_spec, runs, settings, base, tokenizer=tokenizer, cache=cache, chat=chat
         )
-        for note in sandbox["notes"]:
-            _say(f"  note: {note}")
+    seconds = time.perf_counter() - started
+    payload = _payload(
+        settings,
+        base,
+        generated,
+        command=command,
+        seconds=seconds,
+        runs=runs,
+        chat=chat,
+        sandbox=sandbox,
+        cache=cache,
+    )
+    _write_reports(output, payload)
+    return payload
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """The scored samples, what their generations depend on, and vLLM's engines (None where
+    flyspec's engine generated)."""
+
+    samples: list
+    identity: EngineIdentity
+    engines: dict | None = None
+
+
+def _sandbox(tasks: Sequence[str]) -> dict | None:
+    """The sandbox that runs HumanEval's programs, said on stderr; None without HumanEval."""
+    if not any(name.startswith("humaneval") for name in tasks):
+        return None
+    from flyspec.evaluation.sandbox import sandbox_info
+
+    # Before anything is written or loaded: a bad FLYSPEC_SANDBOX is a one-line error.
+    sandbox = sandbox_info().as_dict()
+    _say(
+        f"sandbox for HumanEval programs: {sandbox['backend']}, run-wide limits by "
+        f"{sandbox['run_limits']} ({sandbox['interpreter']})"
+    )
+    for note in sandbox["notes"]:
+        _say(f"  note: {note}")
+    return sandbox
+
+
+def _task_runs(settings: EvalSettings, problems: Mapping[str, Sequence] | None) -> list:
+    """Each task with its chosen problems and token budget."""
+    from flyspec.evaluation.runner import TaskRun
+    from flyspec.evaluation.tasks import load_problems, make_task
 
     runs = []
     for name in settings.tasks:
@@ -109,58 +154,102 @@ def run_evaluation(
             chosen = list(load_problems(name, end))[start:]
         max_new_tokens = settings.max_new_tokens or task.default_max_new_tokens
         runs.append(TaskRun(task=task, problems=chosen, max_new_tokens=max_new_tokens, first=start))
+    return runs
 
-    output.mkdir(parents=True, exist_ok=True)
-    cache = GenerationCache(settings.cache_dir)
+
+def _load_models(
+    settings: EvalSettings,
+    base: DecodeConfig,
+    load_engine: Callable[[bool], object],
+    vllm_spec: VllmEngineSpec | None,
+) -> tuple[object, object]:
+    """flyspec's engine (None where vLLM generates) and the tokenizer of the prompts."""
     if vllm_spec is None:
         engine = load_engine(any(m.config(base).uses_draft_model for m in settings.methods))
-        tokenizer = engine.tokenizer
-    else:
-        from transformers import AutoTokenizer
+        return engine, engine.tokenizer
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(vllm_spec.target)
-        if "humaneval-edit" in settings.tasks:
-            _say("vLLM has no Predicted Outputs: its edits are generated without the prediction")
+    tokenizer = AutoTokenizer.from_pretrained(vllm_spec.target)
+    if "humaneval-edit" in settings.tasks:
+        _say("vLLM has no Predicted Outputs: its edits are generated without the prediction")
+    return None, tokenizer
+
+
+def _uses_chat_template(tokenizer, prompt_style: str) -> bool:
+    """Whether prompts go through the tokenizer's chat template."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    chat = has_template if settings.prompt_style == "auto" else settings.prompt_style == "chat"
+    chat = has_template if prompt_style == "auto" else prompt_style == "chat"
     if chat and not has_template:
         raise FlyspecError("prompt style chat: this tokenizer has no chat template")
+    return chat
 
-    started = time.perf_counter()
-    engines = None
-    if vllm_spec is None:
-        samples = evaluate(
-            engine,
-            runs,
-            settings.methods,
-            base,
-            cache=cache,
-            chat=chat,
-            progress=settings.progress,
-        )
-        identity = EngineIdentity.of(engine)
-    else:
-        import vllm
 
-        from flyspec.evaluation.on_vllm import evaluate_on_vllm, vllm_identity
+def _generate_on_flyspec(
+    engine, runs: list, settings: EvalSettings, base: DecodeConfig, *, cache, chat: bool
+) -> _Generated:
+    """Every method on every problem, on flyspec's engine."""
+    from flyspec.evaluation.runner import EngineIdentity, evaluate
 
-        samples, engines = evaluate_on_vllm(
-            vllm_spec,
-            runs,
-            settings.methods,
-            base,
-            tokenizer=tokenizer,
-            vllm_version=vllm.__version__,
-            cache=cache,
-            chat=chat,
-        )
-        identity = vllm_identity(vllm_spec, vllm.__version__)
-    elapsed = time.perf_counter() - started
+    samples = evaluate(
+        engine,
+        runs,
+        settings.methods,
+        base,
+        cache=cache,
+        chat=chat,
+        progress=settings.progress,
+    )
+    return _Generated(samples, EngineIdentity.of(engine))
 
-    payload = {
+
+def _generate_on_vllm(
+    vllm_spec: VllmEngineSpec,
+    runs: list,
+    settings: EvalSettings,
+    base: DecodeConfig,
+    *,
+    tokenizer,
+    cache,
+    chat: bool,
+) -> _Generated:
+    """Every method on every problem, on vLLM engines like ``vllm_spec``."""
+    import vllm
+
+    from flyspec.evaluation.on_vllm import evaluate_on_vllm, vllm_identity
+
+    samples, engines = evaluate_on_vllm(
+        vllm_spec,
+        runs,
+        settings.methods,
+        base,
+        tokenizer=tokenizer,
+        vllm_version=vllm.__version__,
+        cache=cache,
+        chat=chat,
+    )
+    return _Generated(samples, vllm_identity(vllm_spec, vllm.__version__), engines)
+
+
+def _payload(
+    settings: EvalSettings,
+    base: DecodeConfig,
+    generated: _Generated,
+    *,
+    command: str,
+    seconds: float,
+    runs: list,
+    chat: bool,
+    sandbox: dict | None,
+    cache,
+) -> dict:
+    """eval.json's content."""
+    from flyspec.evaluation import loosening, report
+
+    identity = generated.identity
+    return {
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": command,
-        "seconds": round(elapsed, 2),
+        "seconds": round(seconds, 2),
         "models": {
             "target": identity.target,
             "draft": identity.draft,
@@ -168,44 +257,61 @@ def run_evaluation(
             "device": identity.device,
             "kernels": identity.kernels,
         },
-        "settings": {
-            "tasks": {
-                run.task.name: {
-                    "problems": len(run.problems),
-                    "range": [run.first, run.first + len(run.problems)],
-                    "max_new_tokens": run.max_new_tokens,
-                    "version": run.task.version,
-                }
-                for run in runs
-            },
-            "methods": [m.as_dict() for m in settings.methods],
-            "decoding": decoding_identity(base.with_updates(max_new_tokens=1)),
-            "decoding_summary": _decoding_summary(base),
-            "prompt_style": "chat template" if chat else "raw",
-            "exec_timeout_s": settings.exec_timeout_s,
-            "exec_memory_mb": settings.exec_memory_mb,
-        },
+        "settings": _settings_record(settings, base, runs, chat=chat),
         "sandbox": sandbox,
-        "cache": {
-            "dir": None if cache.folder is None else str(cache.folder),
-            "hits": cache.hits,
-            "misses": cache.misses,
-            "note": "cached generations keep the timing statistics of the run that produced "
-            "them; speedup and tokens/s are computed from those",
-        },
-        "engine": "flyspec" if engines is None else "vllm",
-        "vllm_engines": engines,
-        "tasks": report.summarize(samples, settings.methods, list(settings.tasks)),
-        "loosening": loosening.analyse(samples, settings.methods, list(settings.tasks)),
-        "samples": [s.as_dict() for s in samples],
+        "cache": _cache_record(cache),
+        "engine": "flyspec" if generated.engines is None else "vllm",
+        "vllm_engines": generated.engines,
+        "tasks": report.summarize(generated.samples, settings.methods, list(settings.tasks)),
+        "loosening": loosening.analyse(generated.samples, settings.methods, list(settings.tasks)),
+        "samples": [s.as_dict() for s in generated.samples],
     }
+
+
+def _settings_record(settings: EvalSettings, base: DecodeConfig, runs: list, *, chat: bool) -> dict:
+    """eval.json's ``settings``: the tasks' problems, the methods and the decoding."""
+    from flyspec.evaluation.cache import decoding_identity
+
+    return {
+        "tasks": {
+            run.task.name: {
+                "problems": len(run.problems),
+                "range": [run.first, run.first + len(run.problems)],
+                "max_new_tokens": run.max_new_tokens,
+                "version": run.task.version,
+            }
+            for run in runs
+        },
+        "methods": [m.as_dict() for m in settings.methods],
+        "decoding": decoding_identity(base.with_updates(max_new_tokens=1)),
+        "decoding_summary": _decoding_summary(base),
+        "prompt_style": "chat template" if chat else "raw",
+        "exec_timeout_s": settings.exec_timeout_s,
+        "exec_memory_mb": settings.exec_memory_mb,
+    }
+
+
+def _cache_record(cache) -> dict:
+    """eval.json's ``cache``: where it is and how much of the run it answered."""
+    return {
+        "dir": None if cache.folder is None else str(cache.folder),
+        "hits": cache.hits,
+        "misses": cache.misses,
+        "note": "cached generations keep the timing statistics of the run that produced "
+        "them; speedup and tokens/s are computed from those",
+    }
+
+
+def _write_reports(output: Path, payload: dict) -> None:
+    """The plots (named in ``payload`` where drawn), eval.json and eval.md."""
+    from flyspec.evaluation import loosening, report
+
     if report.plot_tradeoff(output / "tradeoff.png", payload):
         payload["plot"] = "tradeoff.png"
     if loosening.plot(output / "loosening.png", payload["loosening"]):
         payload["loosening_plot"] = "loosening.png"
     report.write_json(output / "eval.json", payload)
     (output / "eval.md").write_text(report.render_markdown(payload), encoding="utf-8")
-    return payload
 
 
 def _decoding_summary(base) -> str:

@@ -73,6 +73,55 @@ def create_app(
     (:func:`~flyspec.server.scheduler.engine_thread`: torch runs faster when one thread
     only ever calls it); without one the app starts its own engine thread.
     """
+    _check_settings(
+        queue_size=queue_size,
+        request_timeout=request_timeout,
+        max_body_bytes=max_body_bytes,
+        max_messages=max_messages,
+        api_key=api_key,
+        metrics_require_key=metrics_require_key,
+    )
+    metrics = ServerMetrics()
+    queue = _metered_queue(engine, metrics, max_waiting=queue_size, executor=engine_executor)
+    started = int(time.time())
+    server = GenerationHandler(
+        engine=engine,
+        defaults=defaults,
+        model_name=model_name,
+        queue=queue,
+        request_timeout=request_timeout,
+        max_messages=max_messages,
+    )
+    app = _new_app(_lifespan(server, queue), docs=docs)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.queue = queue
+    app.state.defaults = defaults
+    app.state.model_name = model_name
+    _add_middlewares(
+        app,
+        metrics,
+        max_body_bytes=max_body_bytes,
+        api_key=api_key,
+        metrics_require_key=metrics_require_key,
+    )
+    install_error_handlers(app)
+    _add_generation_routes(app, server)
+    _add_model_routes(app, model_name, created=started)
+    _add_status_routes(app, model_name, queue, queue_size=queue_size, metrics=metrics)
+    return app
+
+
+def _check_settings(
+    *,
+    queue_size: int,
+    request_timeout: float,
+    max_body_bytes: int | None,
+    max_messages: int | None,
+    api_key: str | None,
+    metrics_require_key: bool,
+) -> None:
+    """ValueError on a setting :func:`create_app` cannot run with."""
     if queue_size < 0:
         raise ValueError(f"queue_size must be >= 0, got {queue_size}")
     if not request_timeout > 0:
@@ -85,24 +134,24 @@ def create_app(
     if metrics_require_key and api_key is None:
         raise ValueError("metrics_require_key needs an api_key")
 
-    metrics = ServerMetrics()
+
+def _metered_queue(
+    engine, metrics: ServerMetrics, *, max_waiting: int, executor: ThreadPoolExecutor | None
+) -> GenerationQueue:
+    """The generation queue, each finished generation and the queue's length counted in
+    ``metrics``."""
     queue = GenerationQueue(
         engine,
-        max_waiting=queue_size,
+        max_waiting=max_waiting,
         on_finished=lambda job: metrics.observe_generation(job.config.mode, job.stats, job.outcome),
-        executor=engine_executor,
+        executor=executor,
     )
     metrics.read_queue(queue_length=lambda: queue.waiting, running=lambda: queue.running)
-    started = int(time.time())
+    return queue
 
-    server = GenerationHandler(
-        engine=engine,
-        defaults=defaults,
-        model_name=model_name,
-        queue=queue,
-        request_timeout=request_timeout,
-        max_messages=max_messages,
-    )
+
+def _lifespan(server: GenerationHandler, queue: GenerationQueue):
+    """The app's lifespan: the preparation and engine threads run while the app does."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -114,7 +163,12 @@ def create_app(
             await queue.close()
             server.close()
 
-    app = FastAPI(
+    return lifespan
+
+
+def _new_app(lifespan, *, docs: bool) -> FastAPI:
+    """The bare app, its documentation routes served only with ``docs``."""
+    return FastAPI(
         title="flyspec",
         version=_version(),
         lifespan=lifespan,
@@ -122,11 +176,17 @@ def create_app(
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
     )
-    app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.queue = queue
-    app.state.defaults = defaults
-    app.state.model_name = model_name
+
+
+def _add_middlewares(
+    app: FastAPI,
+    metrics: ServerMetrics,
+    *,
+    max_body_bytes: int | None,
+    api_key: str | None,
+    metrics_require_key: bool,
+) -> None:
+    """The metrics, API key and body size middlewares (the last two where asked)."""
     # Starlette runs the middleware added last first: metrics see every answer, the key is
     # checked before the body is read, and the body is measured before any route runs.
     if max_body_bytes is not None:
@@ -136,7 +196,10 @@ def create_app(
             APIKeyMiddleware, api_key=api_key, metrics_require_key=metrics_require_key
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    install_error_handlers(app)
+
+
+def _add_generation_routes(app: FastAPI, server: GenerationHandler) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
     @app.post(COMPLETIONS, openapi_extra=_request_body_schema(CompletionRequest, COMPLETIONS))
     async def completions(request: Request) -> Response:
@@ -146,15 +209,30 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
 
+
+def _add_model_routes(app: FastAPI, model_name: str, *, created: int) -> None:
+    """``GET /v1/models`` and ``GET /v1/models/{id}``: the one model served."""
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(model_name, started)]}
+        return {"object": "list", "data": [_model_card(model_name, created)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
             raise unknown_model(model_id, model_name)
-        return _model_card(model_name, started)
+        return _model_card(model_name, created)
+
+
+def _add_status_routes(
+    app: FastAPI,
+    model_name: str,
+    queue: GenerationQueue,
+    *,
+    queue_size: int,
+    metrics: ServerMetrics,
+) -> None:
+    """``GET /health`` and ``GET /metrics`` (Prometheus' text format)."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -167,8 +245,6 @@ def create_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
 
 
 def _model_card(model_name: str, created: int) -> dict[str, Any]:
