@@ -14,7 +14,7 @@ import argparse
 import statistics
 import sys
 
-from flyspec.runtime import configure_cpu_math
+from flyspec.support.cpu_math import configure_cpu_math
 
 
 def main(argv: list[str] | None = None) -> int:

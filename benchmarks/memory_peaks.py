@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from flyspec.models import default_pair_paths  # noqa: E402
 from flyspec.models.checkpoint import checkpoint_parameters  # noqa: E402
-from flyspec.rss import gib  # noqa: E402
+from flyspec.support.resident_memory import gib  # noqa: E402
 
 PROMPT = "def fib(n):"
 SETTINGS = {

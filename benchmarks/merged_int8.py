@@ -1,7 +1,7 @@
 """Merged int8 projections against torch's plain dynamic int8, interleaved in one process.
 
 Loads the default draft twice, quantises one copy with ``torch.ao.quantization.quantize_dynamic``
-(each Linear on its own) and the other with ``flyspec.kernels.quantize_int8`` (q/k/v and
+(each Linear on its own) and the other with ``flyspec.models.kernels.quantize_int8`` (q/k/v and
 gate/up merged), checks that both give the same logits bit for bit, then times one lean forward
 over ``n`` new tokens on a cache of ``--context`` random tokens, alternating the two call by
 call (``flyspec.bench.forward_cost.time_runners``), and prints the medians::
@@ -16,7 +16,7 @@ import statistics
 import sys
 import warnings
 
-from flyspec.runtime import configure_cpu_math
+from flyspec.support.cpu_math import configure_cpu_math
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from flyspec.bench.forward_cost import time_runners
-    from flyspec.kernels import quantize_int8
     from flyspec.models import load_causal_lm
     from flyspec.models.default_pair import default_pair_paths
+    from flyspec.models.kernels import quantize_int8
     from flyspec.models.lean import LeanForward
 
     draft_path = default_pair_paths().draft

@@ -27,7 +27,7 @@ import time
 
 from flyspec import config as cfg
 from flyspec.cli import options as cli
-from flyspec.runtime import configure_cpu_math
+from flyspec.support.cpu_math import configure_cpu_math
 
 MODEL_FLAGS = ("target", "draft", "device", "dtype", "linear", "draft_quant", "target_quant")
 WARMUP_TOKENS = 8
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.direct_worker:
         return direct_worker(args)
-    from flyspec.machine import CpuMonitor, describe_machine, machine_identity
+    from flyspec.support.machine import CpuMonitor, describe_machine, machine_identity
 
     runs: dict[str, list[list[dict]]] = {"direct": [], "server": []}
     with CpuMonitor(include_children=True) as monitor:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flyspec import config as cfg
 from flyspec.cli import options as cli
-from flyspec.runtime import configure_cpu_math
+from flyspec.support.cpu_math import configure_cpu_math
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.repeats < 1:
         parser.error("--max-new-tokens and --repeats must be >= 1")
-    from flyspec.machine import CpuMonitor, describe_machine, machine_identity
+    from flyspec.support.machine import CpuMonitor, describe_machine, machine_identity
 
     config = cfg.DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens)
     engine = cli.load_engine(args, with_draft=config.uses_draft_model)

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     print(
-        f"vLLM {VLLM_VERSION} rejection_sample (FLy) vs flyspec.verify on {device}: "
+        f"vLLM {VLLM_VERSION} rejection_sample (FLy) vs flyspec.decoding.verify on {device}: "
         f"{args.batches} batches, V={args.vocab_size}, {covered['greedy']} greedy and "
         f"{covered['sampled']} sampled requests, {covered['loose']} loose keeps, "
         f"{elapsed:.1f} s"

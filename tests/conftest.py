@@ -30,7 +30,7 @@ def load_default_engine():
 
 def pytest_terminal_summary(terminalreporter):
     """The peak resident memory of this test process, in every run's closing lines."""
-    from flyspec.rss import gib, peak_rss_bytes
+    from flyspec.support.resident_memory import gib, peak_rss_bytes
 
     terminalreporter.write_line(
         f"peak resident memory of this test process: {gib(peak_rss_bytes())} GiB"

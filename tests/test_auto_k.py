@@ -8,16 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from flyspec.auto_k import (
+from flyspec.config import DecodeConfig, FlyConfig
+from flyspec.decoding.auto_k import (
     PROBE_AFTER,
     AutoK,
     ForwardCosts,
     expected_tokens,
     probe_sizes,
 )
-from flyspec.config import DecodeConfig, FlyConfig
-from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import Draft
+from flyspec.decoding.drafters import Draft
+from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.models.cache import CachedLM
 from tests.tiny import make_tiny_model
 
@@ -157,7 +157,7 @@ def test_auto_spd_emits_the_targets_greedy_tokens(tiny_decoder):
 
 
 def test_auto_fly_stays_within_its_largest_block_and_budget(tiny_decoder):
-    from flyspec.stats import RequestStats
+    from flyspec.decoding.stats import RequestStats
 
     stats = RequestStats()
     config = DecodeConfig(mode="fly", k=5, auto_k=True, max_new_tokens=40, fly=FlyConfig())
@@ -200,7 +200,7 @@ def test_a_held_deferral_gets_the_draft_tokens_that_decide_it():
 def test_a_deferral_is_learnt_as_settled():
     """A deferred round teaches nothing while pending; rolled back, its deferred position
     counts as a miss (not a keep); a round wasted by the rollback teaches nothing."""
-    from flyspec.stats import RoundStats
+    from flyspec.decoding.stats import RoundStats
 
     policy = AutoK(max_k=8, costs=ForwardCosts({1: 0.1}), window=6, defer=True)
     timing = {"draft_seconds": 0.0, "verify_seconds": 0.0}
@@ -229,7 +229,7 @@ def target_drafting_for_itself(decoder: SpeculativeDecoder, k: int) -> None:
 def test_a_draft_that_has_caught_up_is_not_fed_again():
     """Each drafted token costs the draft one forward, and the prompt one more before the
     first block: a draft whose cache already holds the context is not run over it again."""
-    from flyspec.stats import RequestStats
+    from flyspec.decoding.stats import RequestStats
 
     model = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
     decoder = SpeculativeDecoder(model, model)
@@ -260,7 +260,7 @@ def test_under_auto_a_deferred_window_can_be_confirmed():
     """The target drafts for itself but for one token: where that token's window runs past
     the block, it is deferred, and the next block, though the policy prefers the target
     alone, drafts enough tokens to confirm it."""
-    from flyspec.stats import RequestStats
+    from flyspec.decoding.stats import RequestStats
 
     model = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
     prompt = [5, 17, 33, 8, 60]
@@ -338,7 +338,7 @@ def test_the_cost_probe_stays_within_the_context():
 
 def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):
     """CUDA runs a forward asynchronously: each timed forward is waited for."""
-    from flyspec.auto_k import measure_block_costs
+    from flyspec.decoding.auto_k import measure_block_costs
 
     calls = []
 

@@ -18,8 +18,8 @@ from flyspec.bench.report import (
 )
 from flyspec.cli import main
 from flyspec.config import DecodeConfig
+from flyspec.decoding.stats import RoundStats, mean_speedup
 from flyspec.errors import FlyspecError
-from flyspec.stats import RoundStats, mean_speedup
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -406,7 +406,7 @@ def test_forward_cost_command(tiny_pair, tmp_path, capsys):
 def test_packed_linear_layers_keep_the_logits():
     import torch
 
-    from flyspec.kernels import onednn_linear_available, pack_linear_layers
+    from flyspec.models.kernels import onednn_linear_available, pack_linear_layers
     from tests.tiny import make_tiny_model
 
     if not onednn_linear_available():
@@ -452,8 +452,8 @@ def test_engine_load_applies_the_commands_kernels_by_default(tiny_pair):
 
 
 def test_dataset_prompts_follow_the_eval_tasks():
-    from flyspec.datasets import HumanEvalProblem, MtBenchQuestion
     from flyspec.evaluation.tasks import make_task
+    from flyspec.support.datasets import HumanEvalProblem, MtBenchQuestion
 
     problem = HumanEvalProblem("HumanEval/0", "def f(x):\n", "f", "", "")
     prompt = build_prompt(problem, chat=True)

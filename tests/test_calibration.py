@@ -17,8 +17,8 @@ from flyspec.calibration import (
     save_calibration,
 )
 from flyspec.config import FlyConfig
-from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
 from flyspec.errors import FlyspecError
+from flyspec.support.datasets import Gsm8kQuestion, HumanEvalProblem
 
 
 def candidate(theta: float, tau: float | None, **recovery: float | None) -> Candidate:

@@ -140,7 +140,7 @@ def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
 
 def comparison(target_speeds, method_speeds, others_cpu_fraction):
     from flyspec.cli.generate import TargetComparison
-    from flyspec.machine import CpuLoad
+    from flyspec.support.machine import CpuLoad
 
     def stats(tokens_per_second):  # the two members of RequestStats the comparison reads
         return SimpleNamespace(

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from flyspec.decoding.verify import verify_greedy
 from flyspec.testing.conformance import (
     KINDS,
     ConformanceBatch,
@@ -16,7 +17,6 @@ from flyspec.testing.conformance import (
     vllm_emitted,
     vllm_rejection_inputs,
 )
-from flyspec.verify import verify_greedy
 
 FAR = -1.0e4
 

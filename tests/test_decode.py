@@ -13,11 +13,11 @@ from flyspec.config import (
     FlyConfig,
     SamplingConfig,
 )
-from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import Draft, MlaDrafter, ModelDrafter, NgramDrafter
+from flyspec.decoding.drafters import Draft, MlaDrafter, ModelDrafter, NgramDrafter
+from flyspec.decoding.loop import SpeculativeDecoder
+from flyspec.decoding.stats import RequestStats
+from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import CachedLM
-from flyspec.stats import RequestStats
-from flyspec.verify import sampling_probs
 from tests.tiny import make_tiny_model
 
 VOCAB = 64

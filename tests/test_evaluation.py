@@ -11,7 +11,6 @@ import time
 import pytest
 
 from flyspec.config import FlyConfig, SamplingConfig
-from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
 from flyspec.evaluation.sandbox import run_sandboxed, sandbox_info
 from flyspec.evaluation.tasks import (
     Gsm8kTask,
@@ -21,6 +20,7 @@ from flyspec.evaluation.tasks import (
     extract_humaneval_code,
     normalize_number,
 )
+from flyspec.support.datasets import Gsm8kQuestion, HumanEvalProblem
 
 # ---------------------------------------------------------------------------------- sandbox
 
@@ -416,7 +416,7 @@ def test_eval_end_to_end_on_tiny_models_with_cache(
 
 def test_cache_entries_are_atomic_json(tmp_path):
     from flyspec.config import DecodeConfig, FlyConfig
-    from flyspec.decode import DECODER_REVISION
+    from flyspec.decoding.loop import DECODER_REVISION
     from flyspec.evaluation.cache import GenerationCache, decoding_identity, generation_key
 
     common = {"task_version": "v", "prompt_ids": [1, 2], "target": {"p": 1}, "draft": {"p": 2}}

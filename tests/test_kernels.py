@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from flyspec.kernels import (
+from flyspec.models.kernels import (
     GatedMLP,
     merge_int8_projections,
     merged_int8_linear,
@@ -72,7 +72,7 @@ def test_file_pages_are_released_while_their_weights_are_still_held(monkeypatch,
     it: each release comes while the weights it names are still alive."""
     import weakref
 
-    from flyspec import kernels
+    from flyspec.models import kernels
 
     if layout == "pack" and not kernels.onednn_linear_available():
         pytest.skip("oneDNN's linear is not in this torch build")

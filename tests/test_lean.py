@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig
-from flyspec.decode import SpeculativeDecoder
+from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.models.cache import CachedLM, TransformersForward, make_forward
 from flyspec.models.lean import LeanForward, lean_unsupported_reason
 from tests.tiny import make_tiny_model

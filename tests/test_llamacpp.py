@@ -13,7 +13,7 @@ from flyspec.bench import run_benchmark
 from flyspec.bench.forward_cost import time_forwards
 from flyspec.bench.prompts import BenchPrompt
 from flyspec.config import DecodeConfig, LlamaCppConfig
-from flyspec.decode import SpeculativeDecoder
+from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.engine import Engine
 from flyspec.errors import FlyspecError
 from flyspec.models.llamacpp import LlamaCppLM

@@ -1,5 +1,5 @@
 """Resident memory: the engine holds each weight once (flyspec.models.pages), and the figures
-bench and generate report (flyspec.rss)."""
+bench and generate report (flyspec.support.resident_memory)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flyspec.models.checkpoint import checkpoint_parameters
-from flyspec.rss import PeakRss, gib, tree_rss_bytes
+from flyspec.support.resident_memory import PeakRss, gib, tree_rss_bytes
 from tests.tiny import make_tiny_tokenizer
 
 LOAD_AND_MEASURE = textwrap.dedent(
@@ -22,8 +22,8 @@ LOAD_AND_MEASURE = textwrap.dedent(
     import transformers.models.qwen2.modeling_qwen2  # imports count before, not as weights
     from flyspec import DecodeConfig
     from flyspec.engine import Engine
-    from flyspec.rss import peak_rss_bytes, rss_bytes
-    import flyspec.kernels, flyspec.models.lean
+    from flyspec.support.resident_memory import peak_rss_bytes, rss_bytes
+    import flyspec.models.kernels, flyspec.models.lean
     before = rss_bytes(os.getpid())
     engine = Engine.load(target=sys.argv[1], with_draft=False)
     engine.generate(engine.encode("a b"), DecodeConfig(mode="target", max_new_tokens=2))
@@ -95,7 +95,7 @@ def test_the_memory_a_piece_of_work_touched_leaves_out_what_the_process_only_hol
 
     import numpy as np
 
-    from flyspec.rss import forget_touched, touched_bytes
+    from flyspec.support.resident_memory import forget_touched, touched_bytes
 
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("Linux's clear_refs is not writable here")

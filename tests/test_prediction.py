@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from flyspec.config import DecodeConfig, FlyConfig
-from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import Draft, PredictionDrafter, make_drafter
-from flyspec.drafters.prediction import SURE_MATCH, find_place
+from flyspec.decoding.drafters import Draft, PredictionDrafter, make_drafter
+from flyspec.decoding.drafters.prediction import SURE_MATCH, find_place
+from flyspec.decoding.loop import SpeculativeDecoder
+from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
-from flyspec.stats import RequestStats
 from tests.tiny import make_tiny_model
 
 PROMPT = [1, 2, 3]

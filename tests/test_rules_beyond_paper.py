@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flyspec.config import ConfigError, FlyConfig
-from flyspec.verify import (
+from flyspec.decoding.verify import (
     deferred_need,
     draft_unsure,
     loose_token_features,

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from flyspec.datasets import HumanEvalProblem
 from flyspec.errors import FlyspecError
 from flyspec.evaluation import _sandbox_child as child
 from flyspec.evaluation import _sandbox_limits as run_limits
 from flyspec.evaluation import sandbox
 from flyspec.evaluation.sandbox import Check, SandboxUnavailable, run_sandboxed, sandbox_info
 from flyspec.evaluation.tasks import HumanEvalTask
+from flyspec.support.datasets import HumanEvalProblem
 
 ROOT = os.geteuid() == 0
 PLAIN = sandbox.ROOT_PLAIN_OPT_IN if ROOT else "plain"

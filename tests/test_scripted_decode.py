@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decode import SpeculativeDecoder
-from flyspec.drafters import Draft
+from flyspec.decoding.drafters import Draft
+from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.errors import FlyspecError
 from tests.tiny import make_tiny_model
 

@@ -24,9 +24,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from flyspec.config import DecodeConfig
+from flyspec.decoding.stats import RequestStats, RoundStats
 from flyspec.engine import Engine, TextChunk
 from flyspec.server.app import create_app
-from flyspec.stats import RequestStats, RoundStats
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 
 MODEL = "tiny-test"

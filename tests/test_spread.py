@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flyspec.machine import (
+from flyspec.support.machine import (
     BUSY_CPU_FRACTION,
     CpuLoad,
     CpuMonitor,
@@ -16,7 +16,13 @@ from flyspec.machine import (
     describe_machine,
     machine_identity,
 )
-from flyspec.spread import NOISE_FLOOR, UNSTABLE_SPREAD, Spread, compare, ratio_spread
+from flyspec.support.repeated_measurements import (
+    NOISE_FLOOR,
+    UNSTABLE_SPREAD,
+    Spread,
+    compare,
+    ratio_spread,
+)
 
 
 def test_spread_is_median_and_range():
@@ -122,7 +128,7 @@ def test_monitor_sees_a_bounded_busy_loop_on_every_core():
 
 def test_monitor_subtracts_its_own_cpu_time(monkeypatch):
     """Machine-wide busy time minus this process's, over wall time times cores."""
-    from flyspec import machine
+    from flyspec.support import machine
 
     clock = iter([100.0, 102.0])  # 2 s of wall time
     machine_busy = iter([50.0, 53.0])  # all cores were busy 3 CPU-seconds

@@ -7,8 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flyspec.config import FlyConfig, SamplingConfig
-from flyspec.testing.conformance import loose_acceptance, num_leading_kept
-from flyspec.verify import (
+from flyspec.decoding.verify import (
     loosely_accepted,
     normalized_entropy,
     sampling_probs,
@@ -16,6 +15,7 @@ from flyspec.verify import (
     verify_greedy,
     verify_sampling,
 )
+from flyspec.testing.conformance import loose_acceptance, num_leading_kept
 
 V = 8
 SURE = 0  # rows whose target is certain (entropy ~ 0)

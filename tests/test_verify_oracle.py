@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flyspec.config import FlyConfig, SamplingConfig
+from flyspec.decoding.verify import sampling_probs, verify_greedy, verify_sampling
 from flyspec.testing.conformance import loose_acceptance, num_leading_kept
-from flyspec.verify import sampling_probs, verify_greedy, verify_sampling
 
 # --------------------------------------------------------------------------- oracle
 

@@ -19,12 +19,12 @@ _EXPORTS = {
     "Engine": "flyspec.engine",
     "GenerationResult": "flyspec.engine",
     "TextChunk": "flyspec.engine",
-    "SpeculativeDecoder": "flyspec.decode",
-    "TokenEvent": "flyspec.decode",
-    "RequestStats": "flyspec.stats",
-    "Verdict": "flyspec.verify",
-    "verify_greedy": "flyspec.verify",
-    "verify_sampling": "flyspec.verify",
+    "SpeculativeDecoder": "flyspec.decoding.loop",
+    "TokenEvent": "flyspec.decoding.loop",
+    "RequestStats": "flyspec.decoding.stats",
+    "Verdict": "flyspec.decoding.verify",
+    "verify_greedy": "flyspec.decoding.verify",
+    "verify_sampling": "flyspec.decoding.verify",
 }
 
 __all__ = sorted(_EXPORTS)

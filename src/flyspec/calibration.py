@@ -24,9 +24,9 @@ from pathlib import Path
 
 from flyspec.config import ConfigError, FlyConfig
 from flyspec.errors import FlyspecError
-from flyspec.files import write_text_atomically
-from flyspec.models.home import flyspec_home
 from flyspec.models.identity import model_identity
+from flyspec.support.atomic_files import write_text_atomically
+from flyspec.support.home import flyspec_home
 
 CALIBRATION_FORMAT = 1
 

@@ -139,7 +139,7 @@ class FlyConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernels run the models once loaded (:mod:`flyspec.kernels`); the defaults are
+    """Which kernels run the models once loaded (:mod:`flyspec.models.kernels`); the defaults are
     those of every command and every published figure.
 
     ``linear``: float32 Linear layers on oneDNN with pre-packed weights, or torch's default.
@@ -260,7 +260,7 @@ class DecodeConfig:
     a probability below this value (0, the default, drafts all ``k`` tokens); it saves draft
     forwards that would likely be rejected, like transformers' assistant confidence threshold.
     ``auto_k``: choose the block size every round, from 0 (the target alone) to ``k``, for the
-    most expected tokens per second (:mod:`flyspec.auto_k`).
+    most expected tokens per second (:mod:`flyspec.decoding.auto_k`).
     ``loosen_predicted``: FLy's rule applies to tokens drafted from a request's prediction
     (Predicted Outputs) too; by default they are verified exactly, so that an edit the target
     makes where it is unsure is not lost to the unedited code the prediction proposes

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.config import BACKENDS, DecodeConfig, KernelConfig, LlamaCppConfig
-from flyspec.decode import Origin, SpeculativeDecoder, TokenEvent
-from flyspec.drafters import Drafter
+from flyspec.decoding.drafters import Drafter
+from flyspec.decoding.loop import Origin, SpeculativeDecoder, TokenEvent
+from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import LanguageModel
 from flyspec.models.llamacpp import LlamaCppLM, gguf_tokenizer, llamacpp_identity
-from flyspec.stats import RequestStats
 
 
 class StopTextDecoder:
@@ -188,13 +188,13 @@ class Engine:
                 target=target, draft=draft, with_draft=with_draft, settings=llamacpp
             )
         kernels = kernels or KernelConfig()
-        from flyspec.kernels import apply_cpu_kernels, check_target_quant
         from flyspec.models import (
             check_same_tokenizer,
             load_causal_lm,
             load_tokenizer,
             resolve_pair,
         )
+        from flyspec.models.kernels import apply_cpu_kernels, check_target_quant
 
         if target is None or (with_draft and draft is None):
             target, draft = resolve_pair(target, draft)
@@ -308,7 +308,8 @@ class Engine:
         ``should_stop`` is asked after each committed token; when it answers True the request
         ends there (``stats.finish_reason`` "cancelled") and the text held back so far is
         still released, as at any end. Closing the iterator instead drops that text.
-        ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of ``config.drafter``'s.
+        ``drafter``: any :class:`~flyspec.decoding.drafters.Drafter` instead of
+        ``config.drafter``'s.
         ``prediction``: token ids the answer is expected to largely repeat
         (:meth:`encode_prediction`), drafted from first.
         """

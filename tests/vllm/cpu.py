@@ -2,7 +2,7 @@
 
 import pytest
 
-from flyspec.machine import cpuinfo
+from flyspec.support.machine import cpuinfo
 
 
 def cpu_has_avx512() -> bool:

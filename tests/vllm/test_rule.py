@@ -11,18 +11,18 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from flyspec.config import FlyConfig
+from flyspec.decoding.verify import (
+    first_unkept,
+    loosely_accepted,
+    speculative_acceptance,
+    verify_greedy,
+)
 from flyspec.integrations.vllm.metrics import LooseCounter
 from flyspec.integrations.vllm.sampler import (
     FlyVerifier,
     empty_batch_safe,
     expand_per_request,
     expansion_is_correct,
-)
-from flyspec.verify import (
-    first_unkept,
-    loosely_accepted,
-    speculative_acceptance,
-    verify_greedy,
 )
 
 V = 16

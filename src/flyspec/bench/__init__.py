@@ -57,7 +57,7 @@ def run_benchmark(
     methods, whose outputs are compared with ``llamacpp-target``'s where it runs. Speedups are
     over ``baseline``, and also over ``llamacpp-target`` where it runs."""
     from flyspec.bench.report import environment
-    from flyspec.machine import combined_load
+    from flyspec.support.machine import combined_load
 
     method_names = parse_methods(",".join(method_names), baseline=baseline)
     _check_inputs(prompts, repeats)
@@ -185,7 +185,7 @@ def _measure(
     method per repeat so that no method always runs first after another."""
     from tqdm import tqdm
 
-    from flyspec.machine import CpuMonitor
+    from flyspec.support.machine import CpuMonitor
 
     measured = _Measurements({method.name: [[] for _ in range(repeats)] for method in methods})
     bar = tqdm(
@@ -386,7 +386,7 @@ def console_notes(report: dict) -> list[str]:
     """What the console says under the table: the machine, its load (a warning when it was
     busy) and the prompts whose repeats disagree."""
     from flyspec.bench.report import machine_line, unstable_line
-    from flyspec.machine import CpuLoad
+    from flyspec.support.machine import CpuLoad
 
     notes = [f"machine: {machine_line(report['environment'])}"]
     if report.get("machine_load"):
@@ -436,7 +436,7 @@ def _speedup_over(
 ) -> float | None:
     """The mean of ``summary``'s method's per-sample ``key`` speeds over that of the
     baseline's; None without a baseline, or where a speed is not known."""
-    from flyspec.stats import mean_speedup
+    from flyspec.decoding.stats import mean_speedup
 
     speed = [r[key] for r in samples[summary["method"]]]
     if None in speed or None in baseline_speed:

@@ -2,9 +2,10 @@
 
 For every method in both reports: the ratio of the new median tokens/s to the old one, each
 side's range over its repeats, and a verdict (``faster``, ``slower`` or ``~``) that names a
-change only where it is larger than the noise (:class:`flyspec.spread.Change`). The speedup
-over the baseline is compared the same way, since it is the figure least moved by a machine
-that is faster or slower as a whole. Where both reports hold the generated token ids, the
+change only where it is larger than the noise
+(:class:`flyspec.support.repeated_measurements.Change`). The speedup over the baseline is
+compared the same way, since it is the figure least moved by a machine that is faster or slower
+as a whole. Where both reports hold the generated token ids, the
 table also says on how many prompts a method produced the same tokens in both runs: a change to
 the code that should not change what is generated must leave them all the same.
 """
@@ -16,7 +17,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
-from flyspec.spread import NOISE_FLOOR, UNSTABLE_SPREAD, Change, Spread, compare
+from flyspec.support.repeated_measurements import (
+    NOISE_FLOOR,
+    UNSTABLE_SPREAD,
+    Change,
+    Spread,
+    compare,
+)
 
 __all__ = ["compare_reports", "format_comparison", "read_bench", "same_tokens"]
 

@@ -12,7 +12,7 @@ newly generated tokens.
 
 A speculative method's name may end in ``@K`` to set its block size apart from ``-k``:
 ``fly@5``, ``llamacpp-fly@8``, or ``fly@auto`` (the block chosen every round,
-:mod:`flyspec.auto_k`).
+:mod:`flyspec.decoding.auto_k`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from flyspec.config import DecodeConfig, FlyConfig
+from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
-from flyspec.stats import RequestStats
 
 # name -> (mode, drafter) of flyspec's decoder.
 FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
@@ -159,8 +159,8 @@ def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
     """``method.run(prompt_ids, **settings)`` with the peak resident memory of this process
     and its children (a vLLM engine's) while it ran, and the resident memory the run touched:
     the method's own (its models, caches and buffers), apart from the other methods' models
-    loaded in the same process (:func:`flyspec.rss.touched_bytes`)."""
-    from flyspec.rss import PeakRss, forget_touched, touched_bytes
+    loaded in the same process (:func:`flyspec.support.resident_memory.touched_bytes`)."""
+    from flyspec.support.resident_memory import PeakRss, forget_touched, touched_bytes
 
     forget_touched()
     with PeakRss() as watch:

@@ -17,7 +17,7 @@ def has_per_position(summary: Mapping) -> bool:
 
 def write_plots(report: Mapping, folder: Path) -> list[str]:
     """Speedup bars, tokens-per-round histograms and acceptance by position, as PNG files."""
-    from flyspec.plotting import pyplot
+    from flyspec.support.plotting import pyplot
 
     plt = pyplot()
     if plt is None:

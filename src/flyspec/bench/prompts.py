@@ -55,8 +55,8 @@ class BenchPrompt:
 def build_prompt(item: object, *, chat: bool) -> BenchPrompt:
     """The prompt for one dataset item: a HumanEval problem, a HumanEval edit or a GSM8K
     question (through the eval task's own prompt), or an MT-Bench question (its first turn)."""
-    from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem, MtBenchQuestion
     from flyspec.evaluation.edits import EditProblem
+    from flyspec.support.datasets import Gsm8kQuestion, HumanEvalProblem, MtBenchQuestion
 
     tasks = {HumanEvalProblem: "humaneval", EditProblem: "humaneval-edit", Gsm8kQuestion: "gsm8k"}
     if type(item) in tasks:
@@ -78,7 +78,7 @@ def build_prompt(item: object, *, chat: bool) -> BenchPrompt:
 
 def dataset_prompts(name: str, *, limit: int | None, chat: bool) -> list[BenchPrompt]:
     """The first ``limit`` prompts (all when None) of a packaged dataset."""
-    from flyspec import datasets
+    from flyspec.support import datasets
 
     loaders = {
         "humaneval": datasets.load_humaneval,

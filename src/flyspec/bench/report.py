@@ -20,9 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flyspec.bench.plots import has_per_position, write_plots
-from flyspec.rss import gib
-from flyspec.spread import UNSTABLE_SPREAD, Spread
-from flyspec.stats import RoundStats, mean_speedup
+from flyspec.decoding.stats import RoundStats, mean_speedup
+from flyspec.support.repeated_measurements import UNSTABLE_SPREAD, Spread
+from flyspec.support.resident_memory import gib
 
 
 def per_position_acceptance(rounds: Iterable[RoundStats], k: int) -> list[float | None]:
@@ -142,7 +142,8 @@ def summarise_method(
 
 def unstable_prompts(samples: Sequence[dict]) -> list[dict]:
     """The prompts whose speed across repeats spreads by more than
-    :data:`~flyspec.spread.UNSTABLE_SPREAD` of its median, with that spread."""
+    :data:`~flyspec.support.repeated_measurements.UNSTABLE_SPREAD` of its median, with that
+    spread."""
     speeds: dict[str, list[float]] = {}
     for sample in samples:
         speeds.setdefault(sample["prompt_id"], []).append(sample["tokens_per_second"])
@@ -239,7 +240,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from flyspec.machine import machine_identity
+    from flyspec.support.machine import machine_identity
 
     machine = machine_identity()
     return {
@@ -404,13 +405,13 @@ def unstable_line(summaries: Sequence[Mapping]) -> str | None:
 
 
 def machine_line(env: Mapping) -> str:
-    from flyspec.machine import describe_machine
+    from flyspec.support.machine import describe_machine
 
     return describe_machine(env["machine"]) if env.get("machine") else str(env.get("cpu_model"))
 
 
 def _load_line(load: Mapping) -> str:
-    from flyspec.machine import CpuLoad
+    from flyspec.support.machine import CpuLoad
 
     return CpuLoad.from_dict(dict(load)).describe()
 

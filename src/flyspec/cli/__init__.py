@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from flyspec.cli import bench, calibrate, doctor, evaluate, generate, manage, serve
 from flyspec.cli.options import EXIT_USAGE, Parser
 from flyspec.errors import FlyspecError
-from flyspec.runtime import configure_cpu_math
+from flyspec.support.cpu_math import configure_cpu_math
 
 __all__ = ["build_parser", "main"]
 

@@ -162,7 +162,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from flyspec.bench import run_benchmark
-    from flyspec.runtime import set_torch_threads
+    from flyspec.support.cpu_math import set_torch_threads
 
     _check_args(args)
     vllm_engine = args.engine == "vllm"

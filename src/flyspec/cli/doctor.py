@@ -39,7 +39,7 @@ def add_parser(commands) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from flyspec.machine import describe_machine, machine_identity
+    from flyspec.support.machine import describe_machine, machine_identity
 
     identity = machine_identity()
     print(f"flyspec doctor on {describe_machine(identity)}")
@@ -64,7 +64,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 def check_torch(identity: dict) -> Finding:
     """Torch's build and its threads against the cores (``identity``:
-    :func:`flyspec.machine.machine_identity`)."""
+    :func:`flyspec.support.machine.machine_identity`)."""
     import torch
 
     cores = identity["usable_cores"] or identity["cores"]
@@ -88,7 +88,7 @@ def check_torch(identity: dict) -> Finding:
 def check_kernels() -> Finding:
     import torch
 
-    from flyspec.kernels import onednn_linear_available
+    from flyspec.models.kernels import onednn_linear_available
 
     onednn = onednn_linear_available()
     int8 = "fbgemm" in torch.backends.quantized.supported_engines
@@ -189,7 +189,7 @@ def check_gguf_files() -> Finding:
 
 
 def check_datasets() -> Finding:
-    from flyspec.datasets import DATASETS, installed_dataset_file
+    from flyspec.support.datasets import DATASETS, installed_dataset_file
 
     missing = [
         name for name, data in DATASETS.items() if not installed_dataset_file(data).is_file()
@@ -202,7 +202,7 @@ def check_datasets() -> Finding:
 
 
 def check_memory() -> Finding:
-    from flyspec.rss import gib
+    from flyspec.support.resident_memory import gib
 
     available = _meminfo_bytes("MemAvailable")
     if available is None:

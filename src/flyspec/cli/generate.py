@@ -18,7 +18,7 @@ from flyspec.cli.options import (
     say,
 )
 from flyspec.errors import FlyspecError
-from flyspec.rss import peak_rss_bytes
+from flyspec.support.resident_memory import peak_rss_bytes
 
 ORIGIN_COLOURS = {
     "exact": "\033[32m",  # green
@@ -104,7 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(payload, ensure_ascii=False))
         return 0
 
-    from flyspec.stats import RequestStats
+    from flyspec.decoding.stats import RequestStats
 
     stats = RequestStats()
     if args.show:
@@ -143,7 +143,7 @@ class TargetComparison:
     """
 
     def __init__(self, *, pairs: int, llamacpp=None) -> None:
-        from flyspec.machine import CpuMonitor
+        from flyspec.support.machine import CpuMonitor
 
         self.pairs = pairs
         self.target: list = []  # GenerationResult of each run of the target alone
@@ -190,7 +190,7 @@ class TargetComparison:
 
     def finish(self, shown_stats) -> dict:
         """Record the shown run; return the figures for ``--json``."""
-        from flyspec.spread import Spread, ratio_spread
+        from flyspec.support.repeated_measurements import Spread, ratio_spread
 
         self.method.append(shown_stats)
         self.load = self.monitor.stop()
@@ -216,7 +216,7 @@ class TargetComparison:
     @property
     def reliable(self) -> bool:
         """A quiet machine, and pairs that agree: closely, or at least on the direction and
-        the size of the speedup (:attr:`~flyspec.spread.Spread.agrees`)."""
+        the size of the speedup (:attr:`~flyspec.support.repeated_measurements.Spread.agrees`)."""
         return not self.load.busy and (not self.ratios.unstable or self.ratios.agrees)
 
     def line(self) -> str:
@@ -225,7 +225,7 @@ class TargetComparison:
         return self._speedup_line() + ("" if self.llamacpp is None else self._llamacpp_line())
 
     def _llamacpp_line(self) -> str:
-        from flyspec.spread import Spread
+        from flyspec.support.repeated_measurements import Spread
 
         speed = Spread.of(self.llamacpp)
         versus = self.method_speed.median / speed.median if speed.median else math.nan

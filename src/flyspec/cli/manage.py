@@ -76,7 +76,7 @@ def run_models_list(args: argparse.Namespace) -> int:
     from flyspec.models.checkpoint import checkpoint_parameters
     from flyspec.models.default_pair import installed_model, model_dir
     from flyspec.models.mirror import gguf_path, is_gguf_installed
-    from flyspec.rss import gib
+    from flyspec.support.resident_memory import gib
 
     print(f"cache folder: {flyspec_home()}")
     for role, model in (("draft", DEFAULT_DRAFT), ("target", DEFAULT_TARGET)):
@@ -107,7 +107,7 @@ def run_models_list(args: argparse.Namespace) -> int:
 
 
 def run_datasets_pull(args: argparse.Namespace) -> int:
-    from flyspec.datasets import DATASETS, pull_datasets
+    from flyspec.support.datasets import DATASETS, pull_datasets
 
     names = args.names or list(DATASETS)
     pull_datasets(names)

@@ -10,11 +10,11 @@ SHA-256 of everything that decides the generated text:
 * the weights' dtype and device;
 * the prompt's token ids, the task's prompt/stop-rule version, and the prediction's token ids
   where the request has one (Predicted Outputs) and drafts;
-* the decoding settings that can change the text (:func:`flyspec.decode.text_settings`),
+* the decoding settings that can change the text (:func:`flyspec.decoding.loop.text_settings`),
   without the token budget: an entry made under another ``max_new_tokens`` is reused when
   :func:`reusable` shows the budget cannot have changed its text (a greedy generation that
   ended well before both budgets);
-* the decoder's revision (:data:`flyspec.decode.DECODER_REVISION`), bumped with every change
+* the decoder's revision (:data:`flyspec.decoding.loop.DECODER_REVISION`), bumped with every change
   to what the decoder emits, so that no entry outlives the code that made it.
 
 A cached entry keeps the timing statistics of the run that produced it.
@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flyspec.config import DecodeConfig
-from flyspec.decode import DECODER_REVISION, budget_margin, text_settings
-from flyspec.files import write_text_atomically
+from flyspec.decoding.loop import DECODER_REVISION, budget_margin, text_settings
+from flyspec.support.atomic_files import write_text_atomically
 
 CACHE_FORMAT = 1
 
 
 def default_cache_dir() -> Path:
-    from flyspec.models.home import flyspec_home
+    from flyspec.support.home import flyspec_home
 
     return flyspec_home() / "eval-cache"
 
@@ -49,7 +49,7 @@ def reusable(entry: dict, config: DecodeConfig) -> bool:
     """Whether a cached generation made under ``entry["max_new_tokens"]`` is exactly what
     ``config`` would generate: always under the same budget; otherwise only for greedy
     decoding, when the entry ended (EOS, stop string, answer) rather than hit its budget, far
-    enough before both budgets (:func:`~flyspec.decode.budget_margin`)."""
+    enough before both budgets (:func:`~flyspec.decoding.loop.budget_margin`)."""
     old_budget = entry.get("max_new_tokens")
     if old_budget == config.max_new_tokens:
         return True

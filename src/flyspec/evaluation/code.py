@@ -7,7 +7,7 @@ import ast
 import re
 import warnings
 
-from flyspec.datasets import HumanEvalProblem
+from flyspec.support.datasets import HumanEvalProblem
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
 _KEPT_NODES = (

@@ -24,9 +24,9 @@ import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flyspec.datasets import HumanEvalProblem
 from flyspec.errors import FlyspecError
 from flyspec.evaluation.code import run_humaneval_tests
+from flyspec.support.datasets import HumanEvalProblem
 
 EDIT_KINDS: tuple[str, ...] = ("types", "rename", "restructure", "bugfix")
 

@@ -200,7 +200,7 @@ def plot(path: Path, analysis: dict) -> bool:
     ]
     if not panels:
         return False
-    from flyspec.plotting import pyplot
+    from flyspec.support.plotting import pyplot
 
     plt = pyplot()
     if plt is None:

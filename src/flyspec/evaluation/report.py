@@ -21,9 +21,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from flyspec.decoding.stats import mean_speedup
 from flyspec.evaluation import loosening
 from flyspec.evaluation.runner import EvalMethod, Sample
-from flyspec.stats import mean_speedup
 
 Z_95 = 1.959963984540054
 BOOTSTRAP_RESAMPLES = 2000
@@ -287,7 +287,7 @@ def plot_tradeoff(path: Path, payload: dict) -> bool:
     ]
     if not panels:
         return False
-    from flyspec.plotting import pyplot
+    from flyspec.support.plotting import pyplot
 
     plt = pyplot()
     if plt is None:

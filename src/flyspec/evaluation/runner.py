@@ -14,10 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from flyspec.config import DecodeConfig, FlyConfig
+from flyspec.decoding.stats import RequestStats
 from flyspec.evaluation.cache import GenerationCache, generation_key
 from flyspec.evaluation.tasks import Outcome, Task
 from flyspec.models.identity import model_identity
-from flyspec.stats import RequestStats
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Protocol
 
-from flyspec.datasets import Gsm8kQuestion, HumanEvalProblem
 from flyspec.errors import FlyspecError
 from flyspec.evaluation.code import (
     extract_humaneval_code,
@@ -30,6 +29,7 @@ from flyspec.evaluation.code import (
     sanitize_code,
 )
 from flyspec.evaluation.edits import EDIT_REQUEST, REPLY_PREFIX, EditProblem
+from flyspec.support.datasets import Gsm8kQuestion, HumanEvalProblem
 
 TASK_NAMES: tuple[str, ...] = ("humaneval", "humaneval-edit", "gsm8k")
 
@@ -292,7 +292,7 @@ def make_task(name: str, *, timeout_s: float = 10.0, memory_mb: int = 1024) -> T
 
 def load_problems(name: str, limit: int | None) -> Sequence:
     """The first ``limit`` problems of a task's dataset (installing it when needed)."""
-    from flyspec.datasets import load_gsm8k, load_humaneval
+    from flyspec.support.datasets import load_gsm8k, load_humaneval
 
     if name == "humaneval-edit":
         from flyspec.evaluation.edits import build_edit_problems

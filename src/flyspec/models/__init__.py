@@ -10,13 +10,13 @@ from flyspec.models.default_pair import (
     pull_default_pair,
     resolve_pair,
 )
-from flyspec.models.home import flyspec_home
 from flyspec.models.loading import (
     check_same_tokenizer,
     load_causal_lm,
     load_tokenizer,
     resolve_device,
 )
+from flyspec.support.home import flyspec_home
 
 __all__ = [
     "DEFAULT_DRAFT",

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
-from flyspec.models.home import flyspec_home
 from flyspec.models.hub import (
     HUB_RECORD_SUFFIX,
     Download,
@@ -29,6 +28,7 @@ from flyspec.models.mirror import (
     pull_gguf,
     pull_models,
 )
+from flyspec.support.home import flyspec_home
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ class LeanForward:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[1, heads, n, head_dim]``, keys and values ``[1, kv_heads, n, head_dim]``
         of ``x`` ``[1, n, D]``, through the merged projection where the kernels made one
-        (:func:`flyspec.kernels.merge_int8_projections`)."""
+        (:func:`flyspec.models.kernels.merge_int8_projections`)."""
         n = x.shape[1]
         merged = getattr(attention, "merged_qkv_proj", None)
         if merged is None:

@@ -234,8 +234,8 @@ def gguf_tokenizer(path: str | Path, *, home: Path | None = None):
 
     from transformers import AutoTokenizer
 
-    from flyspec.models.home import flyspec_home
     from flyspec.models.loading import load_tokenizer
+    from flyspec.support.home import flyspec_home
 
     path = Path(path).expanduser().resolve()
     stat = path.stat()

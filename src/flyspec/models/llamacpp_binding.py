@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
-from flyspec.machine import cpuinfo
-from flyspec.models.home import flyspec_home
+from flyspec.support.home import flyspec_home
+from flyspec.support.machine import cpuinfo
 
 LLAMACPP_PACKAGE = "llama-cpp-python"
 CHECK_SECONDS = 300

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flyspec.errors import FlyspecError
-from flyspec.models.home import flyspec_home
-from flyspec.packages import pip_install_into
+from flyspec.support.data_packages import pip_install_into
+from flyspec.support.home import flyspec_home
 
 if TYPE_CHECKING:
     from flyspec.models.default_pair import DefaultModel

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from flyspec.stats import RequestStats
+from flyspec.decoding.stats import RequestStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

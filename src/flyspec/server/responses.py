@@ -7,8 +7,8 @@ import secrets
 import time
 from typing import Any
 
+from flyspec.decoding.stats import RequestStats
 from flyspec.server.protocol import FinishReason
-from flyspec.stats import RequestStats
 
 
 def new_id(prefix: str) -> str:

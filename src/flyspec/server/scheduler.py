@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flyspec.config import DecodeConfig
-from flyspec.stats import RequestStats
+from flyspec.decoding.stats import RequestStats
 
 logger = logging.getLogger("flyspec.server")
 

@@ -3,9 +3,9 @@ statements of the rule they are decided with.
 
 A :class:`ConformanceBatch` is a random ragged batch of draft blocks with the target logits an
 engine verifies them with; :func:`expected_decisions` is what flyspec's rule
-(:mod:`flyspec.verify`) makes of it, request by request. An engine's verification (vLLM 0.34's
-built-in FLy, or flyspec's vLLM plugin) run on the same batch must emit the same tokens;
-:func:`compare` lists where it does not.
+(:mod:`flyspec.decoding.verify`) makes of it, request by request. An engine's verification
+(vLLM 0.34's built-in FLy, or flyspec's vLLM plugin) run on the same batch must emit the same
+tokens; :func:`compare` lists where it does not.
 
 Sampled requests are built so that their decisions do not depend on the engine's random
 draws: every drafted token is one-hot (the draft is deterministic), and the target gives it
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from flyspec.config import FlyConfig
-from flyspec.verify import (
+from flyspec.decoding.verify import (
     kept_prefix,
     loosely_accepted,
     request_of_positions,
@@ -90,7 +90,8 @@ class ConformanceBatch:
         return FlyConfig(window=self.window, theta=self.theta)
 
     def cu_num_drafted(self) -> torch.Tensor:
-        """Inclusive cumulative draft counts, as :mod:`flyspec.verify` takes them: ``long[B]``."""
+        """Inclusive cumulative draft counts, as :mod:`flyspec.decoding.verify` takes them:
+        ``long[B]``."""
         return torch.tensor(self.num_drafted, dtype=torch.long).cumsum(0)
 
 
@@ -340,7 +341,7 @@ def loose_acceptance(
 
     A rejected position ``i`` is kept when the target is unsure there (``entropy[i] >= theta``)
     and the next ``window`` positions ``i+1 .. i+window`` are all accepted, which requires the
-    window to fit in the block (:func:`~flyspec.verify.window_holds`). A second rejection
+    window to fit in the block (:func:`~flyspec.decoding.verify.window_holds`). A second rejection
     inside the window means the target is correcting a real error, so the first one stays
     rejected.
     """
@@ -383,8 +384,8 @@ def native_acceptance(batch: ConformanceBatch) -> torch.Tensor:
 
 def allowed_drafts(batch: ConformanceBatch) -> torch.Tensor:
     """Where the target could emit the draft token at all (a finite verified logit, as
-    :func:`flyspec.verify.verify_greedy` and :func:`flyspec.verify.verify_sampling` decide it),
-    flattened: ``bool[T]``."""
+    :func:`flyspec.decoding.verify.verify_greedy` and
+    :func:`flyspec.decoding.verify.verify_sampling` decide it), flattened: ``bool[T]``."""
     allowed = []
     for r in range(batch.num_requests):
         drafts = batch.draft_tokens[r]
@@ -395,7 +396,7 @@ def allowed_drafts(batch: ConformanceBatch) -> torch.Tensor:
 
 
 def expected_decisions(batch: ConformanceBatch) -> list[Decision]:
-    """flyspec's decision on every request of ``batch`` (:mod:`flyspec.verify` only)."""
+    """flyspec's decision on every request of ``batch`` (:mod:`flyspec.decoding.verify` only)."""
     cu = batch.cu_num_drafted()
     accepted = native_acceptance(batch)
     if accepted.shape[0]:

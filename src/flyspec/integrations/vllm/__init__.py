@@ -7,8 +7,9 @@ until it is switched on with a ``flyspec`` section in vLLM's ``additional_config
         "num_speculative_tokens": 15}' --additional-config '{"flyspec": {}}'
 
 (:mod:`flyspec.integrations.vllm.settings` lists the keys). Then the target's verification
-runs flyspec's batched FLy rule (:func:`flyspec.verify.loosely_accepted`) on the logits vLLM's
-sampler verifies with, before vLLM's own greedy and random rejection kernels emit the tokens.
+runs flyspec's batched FLy rule (:func:`flyspec.decoding.verify.loosely_accepted`) on the
+logits vLLM's sampler verifies with, before vLLM's own greedy and random rejection kernels
+emit the tokens.
 """
 
 from flyspec.integrations.vllm.settings import (

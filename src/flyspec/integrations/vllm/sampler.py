@@ -6,7 +6,7 @@ logits it verifies with (logits processors, temperature, top-k/top-p) and hands 
 module-level ``rejection_sample(...)``. :class:`FlyVerifier` stands in for that function while
 a FLy sampler's ``forward`` runs: it decides, per flattened draft position, what vLLM's rule
 accepts (exact match for greedy requests, lossless speculative sampling with vLLM's own
-uniform draws for sampled ones), lets :func:`flyspec.verify.loosely_accepted` keep some
+uniform draws for sampled ones), lets :func:`flyspec.decoding.verify.loosely_accepted` keep some
 rejected positions, and then drives vLLM's greedy and random kernels with inputs that make
 them emit exactly those decisions: the argmax moved to the draft token at a loosely kept greedy
 position, and draws of 0 (keep) or infinity (reject) for sampled requests. Corrections, bonus
@@ -29,6 +29,12 @@ from types import ModuleType
 import torch
 
 from flyspec.config import FlyConfig
+from flyspec.decoding.verify import (
+    kept_prefix,
+    loosely_accepted,
+    request_of_positions,
+    speculative_acceptance,
+)
 from flyspec.integrations.vllm.metrics import LooseCounter
 from flyspec.integrations.vllm.settings import (
     SECTION,
@@ -38,12 +44,6 @@ from flyspec.integrations.vllm.settings import (
     section_from,
     section_refused_by_native_fly,
     settings_in_force,
-)
-from flyspec.verify import (
-    kept_prefix,
-    loosely_accepted,
-    request_of_positions,
-    speculative_acceptance,
 )
 
 logger = logging.getLogger("vllm.flyspec")  # under vLLM's own log handler and level

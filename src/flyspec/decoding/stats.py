@@ -51,7 +51,7 @@ class RoundStats:
     successor emits nothing (``"wasted"``)."""
     loose_tokens: tuple[LooseToken, ...] = ()
     source: str | None = None
-    """Where the drafted tokens came from (:data:`flyspec.drafters.base.DraftSource`), None
+    """Where the drafted tokens came from (:data:`flyspec.decoding.drafters.base.DraftSource`), None
     when none were drafted."""
 
     @property

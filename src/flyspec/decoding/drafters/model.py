@@ -7,9 +7,9 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import SamplingConfig
-from flyspec.drafters.base import Draft, first_unconfident, token_confidence
+from flyspec.decoding.drafters.base import Draft, first_unconfident, token_confidence
+from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import LanguageModel
-from flyspec.verify import sampling_probs
 
 
 class ModelDrafter:

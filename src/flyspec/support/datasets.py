@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
-from flyspec.models.home import flyspec_home
-from flyspec.packages import pip_install_into
+from flyspec.support.data_packages import pip_install_into
+from flyspec.support.home import flyspec_home
 
 
 @dataclass(frozen=True)

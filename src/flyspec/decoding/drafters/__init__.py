@@ -8,11 +8,11 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.drafters.base import Draft, Drafter
-from flyspec.drafters.mla import MlaDrafter
-from flyspec.drafters.model import ModelDrafter
-from flyspec.drafters.ngram import NgramDrafter, find_ngram_continuation
-from flyspec.drafters.prediction import PredictionDrafter
+from flyspec.decoding.drafters.base import Draft, Drafter
+from flyspec.decoding.drafters.mla import MlaDrafter
+from flyspec.decoding.drafters.model import ModelDrafter
+from flyspec.decoding.drafters.ngram import NgramDrafter, find_ngram_continuation
+from flyspec.decoding.drafters.prediction import PredictionDrafter
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import LanguageModel
 

@@ -26,8 +26,8 @@ def configure_cpu_math() -> None:
 
     On AVX2-only CPUs MKL's automatic code path made a 16-token forward of the 1.5B target cost
     much more relative to a 1-token forward than the AVX2 path; with the default oneDNN-packed
-    Linear layers (:mod:`flyspec.kernels`) MKL no longer runs them at all. Kept because it never
-    measured slower than unset.
+    Linear layers (:mod:`flyspec.models.kernels`) MKL no longer runs them at all. Kept because
+    it never measured slower than unset.
     """
     if "MKL_CBWR" not in os.environ and cpu_has_avx2():
         os.environ["MKL_CBWR"] = "AVX2"

@@ -12,14 +12,14 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from flyspec.auto_k import AutoKPolicies, RequestAutoK
 from flyspec.config import DecodeConfig
-from flyspec.decode_state import BusyClock, Origin, Request, TokenEvent
-from flyspec.drafters import Draft, Drafter, make_drafter
+from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK
+from flyspec.decoding.drafters import Draft, Drafter, make_drafter
+from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
+from flyspec.decoding.stats import RequestStats
+from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, LanguageModel
-from flyspec.stats import RequestStats
-from flyspec.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
 
 __all__ = [
     "DECODER_REVISION",
@@ -109,11 +109,11 @@ class SpeculativeDecoder:
 
         ``stats`` (optional) is filled in as the request runs. The caller may stop iterating at
         any time (a stop string, a disconnect); nothing past that point is computed.
-        ``drafter``: any :class:`~flyspec.drafters.Drafter` instead of the built-in one
+        ``drafter``: any :class:`~flyspec.decoding.drafters.Drafter` instead of the built-in one
         ``config.drafter`` names (not in mode ``target``, which drafts nothing).
         ``prediction``: token ids the answer is expected to largely repeat (Predicted
         Outputs): blocks come from it where the answer follows it, else from the built-in
-        drafter (:class:`~flyspec.drafters.prediction.PredictionDrafter`); mode ``target``
+        drafter (:class:`~flyspec.decoding.drafters.prediction.PredictionDrafter`); mode ``target``
         drafts nothing and ignores it.
         """
         request = self._start(prompt_ids, config, stats, drafter, prediction)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.drafters.base import Draft, through_end
+from flyspec.decoding.drafters.base import Draft, through_end
 
 
 def find_ngram_continuation(

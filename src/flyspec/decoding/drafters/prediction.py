@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.drafters.base import Draft, Drafter, through_end
-from flyspec.drafters.ngram import find_ngram_continuation
+from flyspec.decoding.drafters.base import Draft, Drafter, through_end
+from flyspec.decoding.drafters.ngram import find_ngram_continuation
 
 DEFAULT_MIN_MATCH = 3
 """Answer tokens that must match the prediction for its place to be found again: fewer would

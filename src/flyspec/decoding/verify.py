@@ -40,7 +40,7 @@ class Verdict:
     """The outcome of verifying one block of ``num_drafted`` draft tokens.
 
     The round emits ``draft_tokens[:num_kept]`` (the drafted tokens it keeps, exact matches
-    and loose ones alike; :class:`~flyspec.stats.RoundStats` counts them apart) and then
+    and loose ones alike; :class:`~flyspec.decoding.stats.RoundStats` counts them apart) and then
     ``next_token``: the target's correction at position ``num_kept`` if
     ``num_kept < num_drafted``, else the bonus.
     ``loose_positions`` are the indices (all ``< num_kept``) kept loosely by FLy.

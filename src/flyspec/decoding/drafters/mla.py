@@ -14,8 +14,8 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
-from flyspec.drafters.base import Draft, end_index, first_unconfident, token_confidence
-from flyspec.drafters.ngram import find_ngram_continuation
+from flyspec.decoding.drafters.base import Draft, end_index, first_unconfident, token_confidence
+from flyspec.decoding.drafters.ngram import find_ngram_continuation
 from flyspec.models.cache import LanguageModel
 
 

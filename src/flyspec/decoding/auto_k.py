@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flyspec.decoding.stats import RoundStats
 from flyspec.models.cache import common_prefix_length
-from flyspec.stats import RoundStats
 
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""

@@ -3,7 +3,7 @@ tokens emitted, the tokens held for a deferred window, its statistics, its clock
 steps the loop calls on it: the block size, the draft, the commit of a verified round, the
 feedback to the drafter and to ``-k auto``, the delivery of the committed tokens.
 
-Internal to :mod:`flyspec.decode` but for :class:`TokenEvent` and :data:`Origin`."""
+Internal to :mod:`flyspec.decoding.loop` but for :class:`TokenEvent` and :data:`Origin`."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import Literal
 
 import torch
 
-from flyspec.auto_k import RequestAutoK
 from flyspec.config import DecodeConfig
-from flyspec.drafters import Draft, Drafter
-from flyspec.stats import LooseToken, RequestStats, RoundStats
-from flyspec.verify import Verdict, loose_token_features
+from flyspec.decoding.auto_k import RequestAutoK
+from flyspec.decoding.drafters import Draft, Drafter
+from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
+from flyspec.decoding.verify import Verdict, loose_token_features
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
 """How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,

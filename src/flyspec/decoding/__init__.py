@@ -1,0 +1,3 @@
+"""The algorithm: verification rules as pure tensor functions (``verify``), the decoding loop
+(``loop``) and the request it carries from round to round (``request``), ``-k auto``'s block
+size (``auto_k``) and the statistics every round records (``stats``)."""
