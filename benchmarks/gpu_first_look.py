@@ -1,0 +1,964 @@
+"""The first GPU figures in one run: forward costs, flyspec's engine against the bandwidth
+bound, the decoding loop's own cost per round, FLy's projected speedup, and vLLM's FLy kernel.
+
+No weights travel: the models are random-weight models with the shapes of the default pair
+(Qwen2.5-Coder 0.5B drafting, 1.5B target) and of a 7B and a 32B Qwen2.5 target
+(``benchmarks/gpu_configs/*/config.json``), built in bfloat16 on the device::
+
+    python benchmarks/gpu_first_look.py                          # a CUDA GPU, under 8 minutes
+    python benchmarks/gpu_first_look.py --targets 1.5b,7b        # a subset of the targets
+    python benchmarks/gpu_first_look.py --device cpu --tiny      # tiny shapes on the CPU
+
+It prints one table (Markdown) and writes it as ``gpu_first_look.json`` and
+``gpu_first_look.md`` under ``$OUT`` when that is set, and under ``--output DIR``. Progress goes
+to stderr. A phase that fails (out of memory, say) is a row marked failed with its reason, and
+the other phases go on; phases that would start after ``--time-limit`` seconds are skipped.
+
+The rows, by phase:
+
+- ``bandwidth``: a device-to-device copy of one large tensor (CUDA events, median), counting
+  the bytes read and written, as the ceiling of a memory-bound forward.
+- ``model``: each random model built, the bytes a one-token forward reads (every weight but the
+  input embedding table, plus the KV cache of the context), and a check that its logits are
+  finite.
+- ``forward cost``: ``V(n)``, the target's forward over n = 1..16 new tokens after 300
+  cached ones (24 in the tiny form) through flyspec's lean forward
+  (:func:`flyspec.bench.forward_cost.measure_forward_cost`, the device waited for around each
+  timed forward), and ``d``, the draft's one-token forward.
+- ``engine alone``: flyspec's :class:`~flyspec.decoding.loop.SpeculativeDecoder` in mode
+  target, greedy: its time per token next to the bound (bytes read per token over the copy
+  bandwidth); of that time, the forwards' device time (CUDA events around every forward) and
+  the rest, the loop's.
+- ``loop overhead``: the target drafting for itself (a draft model that agrees with the target,
+  FLy at block size K): per round, the wall time minus the device time of its forwards, which
+  is the time the device waits for the loop (its Python, verification, host synchronisations),
+  and the host synchronisations per round (on CUDA: the calls
+  ``torch.cuda.set_sync_debug_mode`` reports, counted in a separate untimed run).
+- ``projection``: not a measurement. FLy's and exact SPD's speedup over the target alone, from
+  the tau flyspec measured on the real pair on a CPU (``gpu_configs/measured_tau.json``) and
+  the costs above, with ``benchmarks/break_even.py``'s cost of a round (``K * d + V(K+1)``
+  for tau tokens, against ``V(1)`` a token); once from the forwards alone, once with the
+  engine's measured time per target token and the loop's overhead per round added.
+- ``kernel check``: vLLM 0.34's FLy kernel against flyspec's rule on random conformance
+  batches (``benchmarks/vllm_fly_gpu.py``), when its files were extracted into
+  ``benchmarks/vllm_fly_kernels``.
+
+Windows of a decode start after its first round, so that neither the prompt's prefill nor the
+first round's start-up counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent
+ROOT = BENCHMARKS.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from flyspec.bench.forward_cost import measure_forward_cost  # noqa: E402
+from flyspec.config import DecodeConfig  # noqa: E402
+from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
+from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
+from flyspec.decoding.stats import RequestStats  # noqa: E402
+from flyspec.models.cache import CachedLM, ForwardRunner, make_forward  # noqa: E402
+
+CONFIGS = BENCHMARKS / "gpu_configs"
+TAU_FILE = CONFIGS / "measured_tau.json"
+KERNELS = BENCHMARKS / "vllm_fly_kernels"
+DRAFT = "0.5b"
+MODELS = {
+    DRAFT: "qwen2.5-coder-0.5b-instruct",
+    "1.5b": "qwen2.5-coder-1.5b-instruct",
+    "7b": "qwen2.5-7b-instruct",
+    "32b": "qwen2.5-32b-instruct",
+}
+TARGETS = ("1.5b", "7b", "32b")
+OVERHEAD_KS = (4, 8, 15)
+MAX_NEW_TOKENS = 16  # V(n) for n = 1 .. 16: a block of 15 drafted tokens and the last one
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+}
+SYNC_WARNING = "synchronizing CUDA operation"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each phase runs: the full form on a GPU, or the tiny form on a CPU."""
+
+    context: int
+    repeats: int
+    warmup: int
+    engine_tokens: int
+    overhead_tokens: int
+    sync_tokens: int
+    copy_bytes: int
+    kernel_batches: int
+    kernel_vocab: int
+
+
+FULL = Sizes(
+    context=300,
+    repeats=7,
+    warmup=2,
+    engine_tokens=96,
+    overhead_tokens=160,
+    sync_tokens=48,
+    copy_bytes=4 << 30,
+    kernel_batches=60,
+    kernel_vocab=151936,
+)
+TINY = Sizes(
+    context=24,
+    repeats=2,
+    warmup=1,
+    engine_tokens=16,
+    overhead_tokens=40,
+    sync_tokens=20,
+    copy_bytes=16 << 20,
+    kernel_batches=9,
+    kernel_vocab=64,
+)
+
+
+@dataclass
+class Row:
+    """One line of the table: a phase, what it measured, ``ok``/``failed``/``skipped``, the
+    headline and its detail, and the numbers behind them (JSON only)."""
+
+    phase: str
+    subject: str
+    status: str
+    result: str
+    detail: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class PhaseSkipped(Exception):
+    """A phase not run, with the reason (a row marked skipped)."""
+
+
+def log(message: str) -> None:
+    print(f"[gpu_first_look] {message}", file=sys.stderr, flush=True)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's type and the first line of its message, at most 200 characters."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def release_memory(device: torch.device) -> None:
+    """Give the freed device memory back before the next, possibly larger, model."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of ``benchmarks/`` (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fmt_ms(seconds: float) -> str:
+    """Milliseconds with three significant digits."""
+    ms = 1000 * seconds
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def fmt_count(value: float, unit: str) -> str:
+    """``value`` with three significant digits and a decimal prefix: ``1.54 GB``; a count of
+    parameters in billions or millions: ``1.54 B parameters``."""
+    if unit == "parameters":
+        return f"{value / 1e9:.3g} B {unit}" if value >= 1e8 else f"{value / 1e6:.3g} M {unit}"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock that waits for the device's queued work first: read before and after a forward,
+    it times the forward itself, not its launch."""
+
+    def clock() -> float:
+        wait_for_device(device)
+        return time.perf_counter()
+
+    return clock
+
+
+def timed(device: torch.device, work: Callable[[], object]) -> float:
+    """Seconds the device spends on ``work`` (CUDA events; wall time on the CPU)."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One forward: when the host issued it, and its time (measured, or its CUDA events)."""
+
+    issued: float
+    seconds: float | None = None  # the CPU's forwards are timed on the spot
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def device_seconds(self) -> float:
+        if self.events is None:
+            return self.seconds
+        start, end = self.events
+        return start.elapsed_time(end) / 1000
+
+
+class TimedRunner:
+    """A :class:`~flyspec.models.cache.ForwardRunner` that times every forward of the runner
+    it wraps: CUDA events around it on a GPU (the device's time, no synchronisation added),
+    wall time on the CPU, where a forward is done when it returns."""
+
+    def __init__(self, inner: ForwardRunner) -> None:
+        self.inner = inner
+        self.forward_path = inner.forward_path
+        self.model = inner.model
+        self.device = inner.device
+        self.context_length = inner.context_length
+        self.records: list[ForwardRecord] = []
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def state_bytes(self) -> int:
+        return self.inner.state_bytes()
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Logits ``[num_logits, V]`` of the wrapped runner, the call recorded."""
+        issued = time.perf_counter()
+        if self.device.type != "cuda":
+            logits = self.inner.forward(input_ids, num_logits)
+            self.records.append(ForwardRecord(issued, seconds=time.perf_counter() - issued))
+            return logits
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self.inner.forward(input_ids, num_logits)
+        end.record()
+        self.records.append(ForwardRecord(issued, events=(start, end)))
+        return logits
+
+    def device_seconds(self, since: float) -> float:
+        """The forwards' device time, of those issued at ``since`` or later (after the device
+        has finished them)."""
+        return sum(r.device_seconds() for r in self.records if r.issued >= since)
+
+
+def timed_lm(model: torch.nn.Module) -> tuple[CachedLM, TimedRunner]:
+    """A :class:`CachedLM` over the decoder's default (lean) forward of ``model``, timed."""
+    runner = TimedRunner(make_forward(model, "lean"))
+    return CachedLM(runner), runner
+
+
+@contextlib.contextmanager
+def sync_counter(device: torch.device) -> Iterator[Callable[[], int] | None]:
+    """Count host synchronisations on CUDA: torch reports each synchronising call (a copy to or
+    from the host that waits for the device, ``.item()``, ``nonzero``...) as a warning in its
+    sync debug mode. Yields a function reading the count so far; None on other devices."""
+    if device.type != "cuda":
+        yield None
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+
+            def count() -> int:
+                return sum(SYNC_WARNING in str(w.message) for w in caught)
+
+            probe = torch.ones(1, device=device)
+            probe.item()
+            probe.item()  # two known synchronisations: is each one reported?
+            seen = count()
+            yield (lambda: count() - seen) if seen == 2 else None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A decode from the end of its first round to its last token: wall seconds, the device
+    seconds of the forwards issued in it, its rounds, tokens, drafted and kept tokens, and the
+    host synchronisations counted in it (None: not counted)."""
+
+    seconds: float
+    forward_seconds: float
+    rounds: int
+    tokens: int
+    drafted: int
+    kept: int
+    syncs: int | None = None
+
+
+def decode_window(
+    decoder: SpeculativeDecoder,
+    runners: Sequence[TimedRunner],
+    prompt: Sequence[int],
+    config: DecodeConfig,
+    *,
+    count_syncs: bool = False,
+) -> Window:
+    """Run one greedy request and measure it after its first round (:class:`Window`); with
+    ``count_syncs``, count its host synchronisations instead of timing it (CUDA only; None
+    where torch does not report them)."""
+    device = decoder.target.device
+    stats = RequestStats()
+    for runner in runners:
+        runner.records.clear()
+    marks: list[tuple[int, float, int]] = []  # (rounds so far, time, syncs so far) per token
+    with sync_counter(device if count_syncs else torch.device("cpu")) as syncs:
+        for _event in decoder.stream(prompt, config, stats=stats):
+            marks.append((stats.num_rounds, time.perf_counter(), syncs() if syncs else 0))
+    wait_for_device(device)
+    first = max(i for i, (rounds, _, _) in enumerate(marks) if rounds == 1)
+    if first == len(marks) - 1:
+        raise RuntimeError(f"the request took one round ({len(marks)} tokens): no window")
+    started, ended = marks[first][1], marks[-1][1]
+    later = stats.rounds[1:]
+    return Window(
+        seconds=ended - started,
+        forward_seconds=sum(runner.device_seconds(started) for runner in runners),
+        rounds=len(later),
+        tokens=len(marks) - 1 - first,
+        drafted=sum(r.drafted for r in later),
+        kept=sum(r.accepted + r.loosely_accepted for r in later),
+        syncs=marks[-1][2] - marks[first][2] if syncs is not None else None,
+    )
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def copy_times(device: torch.device, nbytes: int, *, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` copies of one random bfloat16 tensor of ``nbytes`` into another."""
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    copy = torch.empty_like(source)
+    return [timed(device, lambda: copy.copy_(source)) for _ in range(repeats)]
+
+
+def measure_copy_bandwidth(device: torch.device, sizes: Sizes) -> Row:
+    """Bytes read plus bytes written per second by a device-to-device copy, median of 10."""
+    times = copy_times(device, sizes.copy_bytes, repeats=13)[3:]
+    release_memory(device)
+    seconds = statistics.median(times)
+    rate = 2 * sizes.copy_bytes / seconds
+    return Row(
+        "bandwidth",
+        "device-to-device copy",
+        "ok",
+        fmt_count(rate, "B/s"),
+        f"{sizes.copy_bytes / 2**30:.3g} GiB copied in {fmt_ms(seconds)}, median of 10 after "
+        "3 warm-ups; bytes read + written",
+        {"bytes_per_second": rate, "copy_bytes": sizes.copy_bytes, "seconds": seconds},
+    )
+
+
+def load_config(name: str, *, tiny: bool):
+    """The shipped config of model ``name`` (``MODELS``); ``tiny`` shrinks it (TINY_SHAPE)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(CONFIGS / MODELS[name], **(TINY_SHAPE if tiny else {}))
+
+
+def build_model(config, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight causal LM of ``config``, created on ``device`` in ``dtype`` (transformers'
+    own initialisation: normal weights of std ``initializer_range``, unit norms)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def bytes_per_token(model: torch.nn.Module, context: int) -> tuple[int, int]:
+    """What a one-token forward reads: the weights (all but the input embedding table, of
+    which it reads one row, unless the table is also the output head) and the KV cache of
+    ``context`` positions. ``-> (weight bytes, KV bytes)``."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        weights -= embedding.numel() * embedding.element_size()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_key_value_heads * head_dim * embedding.element_size()
+    return weights, config.num_hidden_layers * per_position * context
+
+
+def model_row(name: str, model: torch.nn.Module, context: int, seconds: float) -> Row:
+    """The model built: its size, what a one-token forward reads, and finite logits."""
+    prompt = torch.randint(model.config.vocab_size, (8,), generator=torch.Generator()).tolist()
+    logits = CachedLM(model).logits(prompt, 1)
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError("the random weights give non-finite logits")
+    weights, kv = bytes_per_token(model, context)
+    parameters = sum(p.numel() for p in model.parameters())
+    config = model.config
+    return Row(
+        "model",
+        f"{name} ({MODELS[name]})",
+        "ok",
+        f"{fmt_count(parameters, 'parameters')}, {fmt_count(weights, 'B')} read per token",
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+        f"{config.vocab_size}; KV cache of {context} positions {fmt_count(kv, 'B')}; built in "
+        f"{seconds:.1f} s; logits finite",
+        {"parameters": parameters, "weight_bytes": weights, "kv_bytes": kv, "build_s": seconds},
+    )
+
+
+def forward_cost_row(name: str, model: torch.nn.Module, sizes: Sizes, *, draft: bool) -> Row:
+    """``V(n)`` for n = 1..16 (a target) or ``d``, the one-token forward (the draft)."""
+    device = next(model.parameters()).device
+    costs = measure_forward_cost(
+        model,
+        max_new_tokens=1 if draft else MAX_NEW_TOKENS,
+        context_tokens=sizes.context,
+        repeats=sizes.repeats,
+        warmup=sizes.warmup,
+        clock=device_clock(device),
+    )
+    values = {"median_ms": {c.new_tokens: c.median_ms for c in costs}}
+    values["ratio"] = {c.new_tokens: c.ratio for c in costs}
+    one = costs[0].median_ms / 1000
+    after = f"after {sizes.context} cached, median of {sizes.repeats}"
+    if draft:
+        return Row("forward cost", f"draft {name}: d", "ok", fmt_ms(one), after, values)
+    ratios = " ".join(f"{c.ratio:.2f}" for c in costs)
+    return Row(
+        "forward cost",
+        f"target {name}: V(n)",
+        "ok",
+        f"V(1) {fmt_ms(one)}, V(16)/V(1) {costs[-1].ratio:.2f}",
+        f"V(n)/V(1) for n = 1..16: {ratios}; {after}",
+        values,
+    )
+
+
+def engine_row(
+    name: str, model: torch.nn.Module, sizes: Sizes, bandwidth: float | None, *, role: str
+) -> Row:
+    """A model decoding alone through flyspec's decoder (mode target, greedy): its time per
+    token against the bound, split into the forwards' device time and the loop's."""
+    device = next(model.parameters()).device
+    lm, runner = timed_lm(model)
+    decoder = SpeculativeDecoder(lm)
+    prompt = random_prompt(model.config.vocab_size, sizes.context)
+    decode_window(decoder, [runner], prompt, DecodeConfig(mode="target", max_new_tokens=8))
+    config = DecodeConfig(mode="target", max_new_tokens=sizes.engine_tokens)
+    window = decode_window(decoder, [runner], prompt, config)
+    syncs = None
+    if device.type == "cuda":
+        counted = decode_window(
+            decoder,
+            [runner],
+            prompt,
+            DecodeConfig(mode="target", max_new_tokens=sizes.sync_tokens),
+            count_syncs=True,
+        )
+        syncs = None if counted.syncs is None else counted.syncs / counted.tokens
+    per_token = window.seconds / window.tokens
+    forwards = window.forward_seconds / window.tokens
+    weights, kv = bytes_per_token(model, sizes.context)
+    values = {
+        "ms_per_token": 1000 * per_token,
+        "forward_ms_per_token": 1000 * forwards,
+        "loop_ms_per_token": 1000 * (per_token - forwards),
+        "syncs_per_token": syncs,
+        "tokens": window.tokens,
+    }
+    bound = ""
+    if bandwidth:
+        values["bound_ms"] = 1000 * (weights + kv) / bandwidth
+        values["engine_over_bound"] = per_token / ((weights + kv) / bandwidth)
+        bound = (
+            f"; bound {fmt_ms((weights + kv) / bandwidth)}, "
+            f"engine/bound {values['engine_over_bound']:.2f}"
+        )
+    return Row(
+        "engine alone",
+        f"{role} {name}, mode target",
+        "ok",
+        f"{fmt_ms(per_token)} per token{bound}",
+        f"forwards {fmt_ms(forwards)} (device time), loop {fmt_ms(per_token - forwards)} per "
+        f"token; host syncs per token: {sync_text(device, syncs)}; {window.tokens} tokens "
+        "after the first",
+        values,
+    )
+
+
+def sync_text(device: torch.device, syncs: float | None) -> str:
+    if syncs is not None:
+        return f"{syncs:.1f}"
+    return "not counted on the CPU" if device.type != "cuda" else "not reported by torch"
+
+
+def overhead_row(name: str, model: torch.nn.Module, sizes: Sizes, k: int) -> Row:
+    """The target drafting for itself with FLy at block size ``k``: the loop's own time per
+    round beyond its forwards, and its host synchronisations."""
+    device = next(model.parameters()).device
+    target_lm, target_runner = timed_lm(model)
+    draft_lm, draft_runner = timed_lm(model)
+    decoder = SpeculativeDecoder(target_lm, draft_lm)
+    runners = [target_runner, draft_runner]
+    prompt = random_prompt(model.config.vocab_size, sizes.context)
+    decode_window(decoder, runners, prompt, DecodeConfig(mode="fly", k=k, max_new_tokens=2 * k + 4))
+    config = DecodeConfig(mode="fly", k=k, max_new_tokens=sizes.overhead_tokens)
+    window = decode_window(decoder, runners, prompt, config)
+    syncs = None
+    if device.type == "cuda":
+        counted = decode_window(
+            decoder,
+            runners,
+            prompt,
+            config.with_updates(max_new_tokens=max(sizes.sync_tokens, 3 * (k + 1))),
+            count_syncs=True,
+        )
+        syncs = None if counted.syncs is None else counted.syncs / counted.rounds
+    round_s = window.seconds / window.rounds
+    forwards = window.forward_seconds / window.rounds
+    values = {
+        "k": k,
+        "overhead_ms_per_round": 1000 * (round_s - forwards),
+        "round_ms": 1000 * round_s,
+        "forward_ms_per_round": 1000 * forwards,
+        "tokens_per_round": window.tokens / window.rounds,
+        "drafted_per_round": window.drafted / window.rounds,
+        "kept_fraction": window.kept / window.drafted if window.drafted else None,
+        "syncs_per_round": syncs,
+        "rounds": window.rounds,
+    }
+    return Row(
+        "loop overhead",
+        f"target {name} drafting for itself, FLy K={k}",
+        "ok",
+        f"{fmt_ms(round_s - forwards)} per round beyond the forwards",
+        f"round {fmt_ms(round_s)}, forwards {fmt_ms(forwards)} (device time); "
+        f"{window.tokens / window.rounds:.2f} tokens per round, "
+        f"{window.kept}/{window.drafted} drafted kept; host syncs per round: "
+        f"{sync_text(device, syncs)}; "
+        f"{window.rounds} rounds after the first",
+        values,
+    )
+
+
+def random_prompt(vocab_size: int, length: int) -> list[int]:
+    """Token ids of a prompt (the costs do not depend on them)."""
+    return torch.randint(vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def load_tau() -> list[dict]:
+    """The tau figures of ``measured_tau.json``, each with its source."""
+    runs = json.loads(TAU_FILE.read_text())["runs"]
+    return [{**entry, "source": run["source"]} for run in runs for entry in run["tau"]]
+
+
+def projection_rows(
+    name: str,
+    target_costs: dict[int, float],
+    draft_ms: float,
+    *,
+    engine_ms: float | None,
+    overhead_ms: dict[int, float],
+) -> list[Row]:
+    """FLy's and SPD's projected speedup on target ``name``: ``benchmarks/break_even.py``'s
+    round cost (``K * d + V(K+1)`` for tau tokens, against ``V(1)`` a token) from the measured
+    forwards; then with the engine's time per target token and the loop's overhead per round."""
+    break_even = load_script("break_even")
+    rows = []
+    for entry in load_tau():
+        method, k, tau = entry["method"], entry["k"], entry["tau"]
+        commit = entry["source"]["commit"]
+        subject = f"{method} K={k} on the {name} target (tau {tau} from {commit})"
+        if k + 1 not in target_costs:
+            rows.append(Row("projection", subject, "skipped", f"no V({k + 1}) measured"))
+            continue
+        bench = {"methods": [{"method": f"{method}@{k}", "tau": tau, "settings": {"k": k}}]}
+        (costed,) = break_even.break_even_rows(bench, {"torch": (target_costs, draft_ms)})
+        forwards_only = tau / (k * costed["draft_to_target"] + costed["measured_ratio"])
+        values = {**costed, "speedup_forwards_only": forwards_only, "source": entry["source"]}
+        result = f"{forwards_only:.2f}x from the forwards"
+        if engine_ms is not None and k in overhead_ms:
+            round_ms = k * draft_ms + target_costs[k + 1] + overhead_ms[k]
+            values["speedup_with_loop"] = tau * engine_ms / round_ms
+            result += f", {values['speedup_with_loop']:.2f}x with the loop"
+        assumed = "" if name == "1.5b" else "; assumes the 0.5B drafts as well for this target"
+        rows.append(
+            Row(
+                "projection",
+                subject,
+                "ok",
+                result,
+                f"PROJECTED, not measured: d/V(1) {costed['draft_to_target']:.2f}, "
+                f"V({k + 1})/V(1) {costed['measured_ratio']:.2f}, breaks even at "
+                f"V({k + 1})/V(1) <= {costed['break_even_ratio']:.2f}; tau of the default pair "
+                f"on a CPU{assumed}",
+                values,
+            )
+        )
+    return rows
+
+
+def kernel_row(
+    device: torch.device, sizes: Sizes, batches: int | None, *, kernels: Path = KERNELS
+) -> Row:
+    """vLLM 0.34's FLy kernel on random conformance batches (benchmarks/vllm_fly_gpu.py), from
+    the files extracted into ``kernels``."""
+    subject = "vLLM 0.34 rejection_sample (FLy) against flyspec's rule"
+    if not (kernels / "vllm" / "__init__.py").exists():
+        return Row("kernel check", subject, "skipped", "kernels not extracted")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return Row("kernel check", subject, "skipped", "on the CPU it needs TRITON_INTERPRET=1")
+    script = load_script("vllm_fly_gpu")
+    args = argparse.Namespace(
+        kernels=kernels,
+        device=str(device),
+        batches=batches or sizes.kernel_batches,
+        vocab_size=sizes.kernel_vocab,
+        requests=None,
+        max_drafted=8,
+        seed=0,
+    )
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            code = script.run(args)
+        except SystemExit as stop:  # its refusals (no kernels, vllm imported first) exit
+            raise RuntimeError(str(stop.code)) from None
+    lines = printed.getvalue().strip().splitlines()
+    for line in lines:
+        log(f"kernel check: {line}")
+    summary = next((line for line in lines if line.startswith("vLLM")), "")
+    mismatches = lines[-1] if lines else "no output"
+    return Row(
+        "kernel check",
+        subject,
+        "ok" if code == 0 else "failed",
+        mismatches,
+        summary,
+        {"exit_code": code, "output": lines[-22:]},
+    )
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Table:
+    """The rows being made, with the start time and the time limit of the run."""
+
+    def __init__(self, time_limit: float) -> None:
+        self.time_limit = time_limit
+        self.started = time.perf_counter()
+        self.rows: list[Row] = []
+
+    def phase(self, phase: str, subject: str, work: Callable[[], Row | list[Row]]) -> list[Row]:
+        """Run one phase and add its rows: a failure is a row with its reason, and a phase
+        that would start past the time limit is skipped."""
+        elapsed = time.perf_counter() - self.started
+        if elapsed > self.time_limit:
+            rows = [Row(phase, subject, "skipped", f"time limit of {self.time_limit:.0f} s")]
+        else:
+            log(f"{phase}: {subject} ({elapsed:.0f} s)")
+            try:
+                produced = work()
+                rows = produced if isinstance(produced, list) else [produced]
+            except PhaseSkipped as skipped:
+                rows = [Row(phase, subject, "skipped", str(skipped))]
+            except Exception as error:  # every failure is reported and the run goes on
+                log(f"{phase}: {subject} FAILED: {one_line(error)}")
+                rows = [Row(phase, subject, "failed", one_line(error))]
+        self.rows.extend(rows)
+        return rows
+
+    def value(self, rows: list[Row], key: str) -> Any:
+        """``values[key]`` of the first ok row of ``rows`` that has it (None when none does)."""
+        return next((r.values[key] for r in rows if r.status == "ok" and key in r.values), None)
+
+
+def environment(device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    """Where and how the figures were made."""
+    import transformers
+
+    described = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        described = (
+            f"{properties.name}, {properties.total_memory / 2**30:.0f} GiB, "
+            f"compute capability {properties.major}.{properties.minor}, CUDA {torch.version.cuda}"
+        )
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_description": described,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": commit or None,
+        "tiny": args.tiny,
+        "cpu_threads": torch.get_num_threads(),
+        "targets": args.targets,
+    }
+
+
+class FirstLook:
+    """The phases in order: the copy bandwidth, the draft, then each target built, measured
+    and let go before the next (the 32B target alone holds about 65 GB), the projections, and
+    the kernel check."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: pass --device cpu (with --tiny)")
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.threads)
+        self.sizes = TINY if args.tiny else FULL
+        self.targets = parse_targets(args.targets)
+        if self.device.type == "cpu" and not args.tiny and {"7b", "32b"} & set(self.targets):
+            raise SystemExit("the 7B and 32B shapes need a GPU: pass --tiny on the CPU")
+        self.env = environment(self.device, self.dtype, args)
+        self.table = Table(args.time_limit)
+        self.ks = sorted(set(OVERHEAD_KS) | {entry["k"] for entry in load_tau()})
+        self.bandwidth: float | None = None
+        self.draft_ms: float | None = None
+
+    def run(self) -> tuple[dict, list[Row]]:
+        env = self.env
+        self.table.rows.append(
+            Row("device", env["device"], "ok", env["device_description"], describe(env), env)
+        )
+        rows = self.table.phase(
+            "bandwidth",
+            "device-to-device copy",
+            lambda: measure_copy_bandwidth(self.device, self.sizes),
+        )
+        self.bandwidth = self.table.value(rows, "bytes_per_second")
+        self.measure_draft()
+        for name in self.targets:
+            self.measure_target(name)
+            release_memory(self.device)
+        self.table.phase(
+            "kernel check",
+            "vLLM 0.34 FLy kernel",
+            lambda: kernel_row(self.device, self.sizes, self.args.kernel_batches),
+        )
+        env["elapsed_s"] = round(time.perf_counter() - self.table.started, 1)
+        return env, self.table.rows
+
+    def build(self, name: str) -> torch.nn.Module | None:
+        """Model ``name`` on the device, or None (its row says why)."""
+        built: list[torch.nn.Module] = []
+
+        def work() -> Row:
+            started = time.perf_counter()
+            config = load_config(name, tiny=self.args.tiny)
+            built.append(build_model(config, device=self.device, dtype=self.dtype))
+            wait_for_device(self.device)
+            return model_row(name, built[0], self.sizes.context, time.perf_counter() - started)
+
+        if self.table.phase("model", f"{name} ({MODELS[name]})", work)[0].status != "ok":
+            built.clear()
+            release_memory(self.device)
+        return built[0] if built else None
+
+    def measured(
+        self, model: torch.nn.Module | None, work: Callable[[torch.nn.Module], Row]
+    ) -> Callable[[], Row]:
+        """``work`` on ``model``, skipped when the model could not be built."""
+
+        def guarded() -> Row:
+            if model is None:
+                raise PhaseSkipped("the model was not built")
+            return work(model)
+
+        return guarded
+
+    def measure_draft(self) -> None:
+        draft = self.build(DRAFT)
+        rows = self.table.phase(
+            "forward cost",
+            f"draft {DRAFT}: d",
+            self.measured(draft, lambda m: forward_cost_row(DRAFT, m, self.sizes, draft=True)),
+        )
+        costs = self.table.value(rows, "median_ms")
+        self.draft_ms = None if costs is None else costs[1]
+        self.table.phase(
+            "engine alone",
+            f"draft {DRAFT}",
+            self.measured(
+                draft, lambda m: engine_row(DRAFT, m, self.sizes, self.bandwidth, role="draft")
+            ),
+        )
+
+    def measure_target(self, name: str) -> None:
+        model = self.build(name)
+        rows = self.table.phase(
+            "forward cost",
+            f"target {name}: V(n)",
+            self.measured(model, lambda m: forward_cost_row(name, m, self.sizes, draft=False)),
+        )
+        costs = self.table.value(rows, "median_ms")
+        rows = self.table.phase(
+            "engine alone",
+            f"target {name}",
+            self.measured(
+                model, lambda m: engine_row(name, m, self.sizes, self.bandwidth, role="target")
+            ),
+        )
+        engine_ms = self.table.value(rows, "ms_per_token")
+        overhead_ms = {}
+        for k in self.ks:
+            rows = self.table.phase(
+                "loop overhead",
+                f"target {name} drafting for itself, FLy K={k}",
+                self.measured(model, lambda m, k=k: overhead_row(name, m, self.sizes, k)),
+            )
+            if (value := self.table.value(rows, "overhead_ms_per_round")) is not None:
+                overhead_ms[k] = value
+
+        def project() -> list[Row]:
+            if costs is None or self.draft_ms is None:
+                raise PhaseSkipped("forward costs missing")
+            return projection_rows(
+                name, costs, self.draft_ms, engine_ms=engine_ms, overhead_ms=overhead_ms
+            )
+
+        self.table.phase("projection", f"the {name} target", project)
+
+
+def describe(env: dict) -> str:
+    return (
+        f"{env['dtype']}; torch {env['torch']}, transformers {env['transformers']}, Python "
+        f"{env['python']}; commit {env['commit'] or 'unknown'}; {env['date']}"
+        + ("; TINY shapes (a check of the script, not figures)" if env["tiny"] else "")
+    )
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU, float32 on the CPU (where bfloat16 is slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def parse_targets(text: str) -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or not names:
+        raise SystemExit(f"--targets takes some of {','.join(TARGETS)}, got {text!r}")
+    return names
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """The table: one line per row, a failed or skipped row's reason in its result."""
+    lines = ["| phase | subject | result | detail |", "|---|---|---|---|"]
+    for row in rows:
+        result = row.result if row.status == "ok" else f"{row.status.upper()}: {row.result}"
+        cells = (row.phase, row.subject, result, row.detail)
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write_outputs(folder: Path, env: dict, rows: Sequence[Row]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"script": "benchmarks/gpu_first_look.py", "environment": env}
+    report["rows"] = [asdict(row) for row in rows]
+    (folder / "gpu_first_look.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (folder / "gpu_first_look.md").write_text(
+        f"# First GPU figures\n\n{env['device_description']}; {describe(env)}; "
+        f"{env['elapsed_s']} s.\n\n{markdown(rows)}\n"
+    )
+    log(f"wrote {folder}/gpu_first_look.json and .md")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU form)")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="some of 1.5b,7b,32b")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--output", type=Path, help="also write the JSON and Markdown here")
+    parser.add_argument(
+        "--time-limit", type=float, default=420, help="skip phases that would start later (s)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on the CPU (default 1: shared cores)"
+    )
+    parser.add_argument("--kernel-batches", type=int, help="conformance batches (default 60)")
+    args = parser.parse_args(argv)
+    env, rows = FirstLook(args).run()
+    print(markdown(rows), flush=True)
+    folders = [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
+    folders += [args.output] if args.output else []
+    for folder in folders:
+        write_outputs(folder, env, rows)
+    failed = [r for r in rows if r.status == "failed"]
+    log(f"done in {env['elapsed_s']} s: {len(rows)} rows, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

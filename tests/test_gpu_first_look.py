@@ -1,0 +1,175 @@
+"""benchmarks/gpu_first_look.py: its CPU form runs every phase on tiny shapes, prints the table
+it writes under $OUT and --output, and a failing phase is a row that does not stop the run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_first_look.py"
+_SPEC = importlib.util.spec_from_file_location("gpu_first_look", _PATH)
+gpu_first_look = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = gpu_first_look  # its dataclasses look their module up by name
+_SPEC.loader.exec_module(gpu_first_look)
+
+TAU = json.loads((_PATH.parent / "gpu_configs" / "measured_tau.json").read_text())
+TAU_ENTRIES = [(e["method"], e["k"], e["tau"]) for run in TAU["runs"] for e in run["tau"]]
+OVERHEAD_KS = sorted({4, 8, 15} | {k for _, k, _ in TAU_ENTRIES})
+
+
+@pytest.fixture(scope="module")
+def cpu_form(tmp_path_factory):
+    """One run of the CPU form: ``(stdout, report from $OUT, folder of --output)``."""
+    folder = tmp_path_factory.mktemp("first-look")
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    env["OUT"] = str(folder / "out")
+    completed = subprocess.run(
+        [sys.executable, str(_PATH), "--device", "cpu", "--tiny", "--output", str(folder / "own")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((folder / "out" / "gpu_first_look.json").read_text())
+    return completed.stdout, report, folder / "own"
+
+
+def rows_of(report, phase):
+    return [row for row in report["rows"] if row["phase"] == phase]
+
+
+def test_the_cpu_form_prints_one_table_and_writes_it_twice(cpu_form):
+    stdout, report, own = cpu_form
+    lines = stdout.strip().splitlines()
+    assert lines[0] == "| phase | subject | result | detail |"
+    assert all(line.startswith("| ") for line in lines[2:])
+    assert len(lines) == 2 + len(report["rows"])
+    assert "\n".join(lines) in (own / "gpu_first_look.md").read_text()
+    assert json.loads((own / "gpu_first_look.json").read_text())["rows"] == report["rows"]
+    assert report["environment"]["tiny"] is True
+
+
+def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form):
+    _, report, _ = cpu_form
+    counts = {}
+    for row in report["rows"]:
+        counts[row["phase"]] = counts.get(row["phase"], 0) + 1
+    assert counts == {
+        "device": 1,
+        "bandwidth": 1,
+        "model": 4,
+        "forward cost": 4,
+        "engine alone": 4,
+        "loop overhead": 3 * len(OVERHEAD_KS),
+        "projection": 3 * len(TAU_ENTRIES),
+        "kernel check": 1,
+    }
+    (kernel,) = rows_of(report, "kernel check")
+    assert kernel["status"] == "skipped"
+    assert kernel["result"] in ("kernels not extracted", "on the CPU it needs TRITON_INTERPRET=1")
+    others = [row for row in report["rows"] if row["phase"] != "kernel check"]
+    assert [row for row in others if row["status"] != "ok"] == []
+
+
+def test_costs_engine_and_loop_rows_hold_consistent_figures(cpu_form):
+    _, report, _ = cpu_form
+    targets = [row for row in rows_of(report, "forward cost") if "V(n)" in row["subject"]]
+    assert [row["subject"] for row in targets] == [
+        f"target {n}: V(n)" for n in ("1.5b", "7b", "32b")
+    ]
+    for row in targets:
+        assert sorted(int(n) for n in row["values"]["median_ms"]) == list(range(1, 17))
+        assert row["values"]["ratio"]["1"] == 1.0
+    for row in rows_of(report, "engine alone"):
+        values = row["values"]
+        assert values["ms_per_token"] > 0 and values["bound_ms"] > 0
+        assert values["loop_ms_per_token"] == pytest.approx(
+            values["ms_per_token"] - values["forward_ms_per_token"]
+        )
+        assert values["syncs_per_token"] is None  # counted on CUDA only
+    overheads = rows_of(report, "loop overhead")
+    assert sorted({row["values"]["k"] for row in overheads}) == OVERHEAD_KS
+    for row in overheads:
+        values = row["values"]
+        assert values["round_ms"] == pytest.approx(
+            values["forward_ms_per_round"] + values["overhead_ms_per_round"]
+        )
+        assert 1 <= values["tokens_per_round"] <= values["k"] + 1
+        assert values["rounds"] >= 1
+
+
+def test_projections_follow_break_even_from_the_measured_costs_and_tau(cpu_form):
+    _, report, _ = cpu_form
+    (draft,) = [
+        row for row in rows_of(report, "forward cost") if row["subject"].startswith("draft")
+    ]
+    d = draft["values"]["median_ms"]["1"]
+    costs = {
+        row["subject"].split()[1].rstrip(":"): row["values"]["median_ms"]
+        for row in rows_of(report, "forward cost")
+        if row["subject"].startswith("target")
+    }
+    projections = rows_of(report, "projection")
+    for row in projections:
+        values = row["values"]
+        target = row["subject"].split(" on the ")[1].split()[0]
+        v = costs[target]
+        k, tau = values["k"], values["tau"]
+        assert (row["subject"].split()[0], k, tau) in TAU_ENTRIES
+        assert values["source"]["commit"] in row["subject"]
+        assert set(values["source"]) >= {"date", "commit", "machine", "command"}
+        assert values["draft_to_target"] == pytest.approx(d / v["1"])
+        assert values["measured_ratio"] == pytest.approx(v[str(k + 1)] / v["1"])
+        assert values["break_even_ratio"] == pytest.approx(tau - k * d / v["1"])
+        assert values["speedup_forwards_only"] == pytest.approx(
+            tau * v["1"] / (k * d + v[str(k + 1)])
+        )
+        assert values["speedup_with_loop"] > 0
+        assert row["detail"].startswith("PROJECTED, not measured")
+
+
+def test_a_failed_phase_is_a_row_with_its_reason_and_the_next_phase_runs():
+    table = gpu_first_look.Table(time_limit=600)
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    table.phase("model", "32b", out_of_memory)
+    table.phase(
+        "bandwidth", "copy", lambda: gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")
+    )
+    failed, ran = table.rows
+    assert (failed.status, failed.result) == (
+        "failed",
+        "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    )
+    assert ran.status == "ok"
+    assert "| model | 32b | FAILED: RuntimeError: CUDA out of memory" in gpu_first_look.markdown(
+        table.rows
+    )
+
+
+def test_phases_past_the_time_limit_are_skipped():
+    table = gpu_first_look.Table(time_limit=-1)
+    table.phase("model", "7b", lambda: pytest.fail("a phase past the time limit ran"))
+    (row,) = table.rows
+    assert (row.status, row.result) == ("skipped", "time limit of -1 s")
+
+
+def test_the_kernel_check_says_why_it_did_not_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = gpu_first_look.torch.device("cpu")
+    missing = gpu_first_look.kernel_row(cpu, gpu_first_look.TINY, None, kernels=tmp_path)
+    assert (missing.status, missing.result) == ("skipped", "kernels not extracted")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    interpreted = gpu_first_look.kernel_row(cpu, gpu_first_look.TINY, None, kernels=tmp_path)
+    assert (interpreted.status, interpreted.result) == (
+        "skipped",
+        "on the CPU it needs TRITON_INTERPRET=1",
+    )
