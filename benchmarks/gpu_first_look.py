@@ -58,7 +58,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -81,6 +80,7 @@ from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
 from flyspec.models.cache import CachedLM, ForwardRunner, make_forward  # noqa: E402
+from flyspec.support.machine import git_commit  # noqa: E402
 
 CONFIGS = BENCHMARKS / "gpu_configs"
 TAU_FILE = CONFIGS / "measured_tau.json"
@@ -738,15 +738,6 @@ def environment(device: torch.device, dtype: torch.dtype, args: argparse.Namespa
             f"{properties.name}, {properties.total_memory / 2**30:.0f} GiB, "
             f"compute capability {properties.major}.{properties.minor}, CUDA {torch.version.cuda}"
         )
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
@@ -755,7 +746,7 @@ def environment(device: torch.device, dtype: torch.dtype, args: argparse.Namespa
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "commit": commit or None,
+        "commit": git_commit(),
         "tiny": args.tiny,
         "cpu_threads": torch.get_num_threads(),
         "targets": args.targets,

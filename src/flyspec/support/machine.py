@@ -53,7 +53,7 @@ def machine_identity() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "flyspec": _flyspec_version(),
-        "commit": _git_commit(),
+        "commit": git_commit(),
     }
 
 
@@ -258,7 +258,7 @@ def _flyspec_version() -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """The commit of the source tree flyspec runs from, when it is a git checkout."""
     source = Path(__file__).resolve().parent
     try:
