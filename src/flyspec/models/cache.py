@@ -26,6 +26,16 @@ def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
     return limit  # pragma: no cover - the slice comparison above returns first
 
 
+def token_tensor(token_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``long[1, n]`` on ``device``. On CUDA the copy goes through pinned memory without
+    waiting: from pageable memory it would block the host until the device has run everything
+    queued before it."""
+    tensor = torch.tensor([list(token_ids)], dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class ForwardRunner(Protocol):
     """Forward passes over new tokens on top of a KV cache the runner holds, and the cuts of
     that cache: what :class:`CachedLM` drives."""
@@ -222,7 +232,7 @@ class CachedLM:
         reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
         self.runner.crop(reuse)
         self._tokens = list(tokens)
-        new_tokens = torch.tensor([self._tokens[reuse:]], dtype=torch.long, device=self.device)
+        new_tokens = token_tensor(self._tokens[reuse:], self.device)
         logits = self.runner.forward(new_tokens, num_logits)
         self.forward_calls += 1
         return logits

@@ -34,30 +34,40 @@ class ModelDrafter:
         self.min_confidence = min_confidence
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to ``k`` tokens after ``context``, one forward each. Each token is read back once
+        (the next forward's input and the end-of-sequence check need it); the confidences are
+        read once per block, unless ``min_confidence`` needs each one at once."""
         sequence = list(context)
         tokens: list[int] = []
+        chosen: list[torch.Tensor] = []  # long[1] each, on the model's device
+        rows: list[torch.Tensor] = []  # [V] each: the logits each token was chosen from
         probs: list[torch.Tensor] = []
-        confidence: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.lm.logits(sequence, 1)[0]  # [V]
             if self.sampling.greedy:
-                token = int(logits.argmax())
+                choice = logits.argmax().reshape(1)
             else:
                 step_probs = sampling_probs(logits, self.sampling)
-                token = int(torch.multinomial(step_probs, 1, generator=self.generator))
+                choice = torch.multinomial(step_probs, 1, generator=self.generator)
                 probs.append(step_probs)
+            token = int(choice)
             tokens.append(token)
             sequence.append(token)
-            chosen = torch.tensor([token], device=logits.device)
-            confidence.append(token_confidence(logits[None], chosen).cpu())
+            chosen.append(choice)
+            rows.append(logits)
             if token in self.end_tokens:
                 break
-            if first_unconfident(confidence[-1], self.min_confidence) is not None:
-                break
+            if self.min_confidence > 0:
+                unsure = token_confidence(logits[None], choice).cpu()
+                if first_unconfident(unsure, self.min_confidence) is not None:
+                    break
+        confidence = None
+        if tokens:
+            confidence = token_confidence(torch.stack(rows), torch.cat(chosen)).cpu()
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
             probs=torch.stack(probs) if probs else None,
-            confidence=torch.cat(confidence) if confidence else None,
+            confidence=confidence,
         )
 
     def reset(self) -> None:
