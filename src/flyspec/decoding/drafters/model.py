@@ -39,9 +39,10 @@ class ModelDrafter:
         read once per block, unless ``min_confidence`` needs each one at once."""
         sequence = list(context)
         tokens: list[int] = []
-        chosen: list[torch.Tensor] = []  # long[1] each, on the model's device
-        rows: list[torch.Tensor] = []  # [V] each: the logits each token was chosen from
         probs: list[torch.Tensor] = []
+        confidence: list[torch.Tensor] = []  # float[1] each, where read at once
+        chosen: list[torch.Tensor] = []  # long[1] each, on the model's device, else
+        rows: list[torch.Tensor] = []  # [V] each: the logits each token was chosen from
         for _ in range(k):
             logits = self.lm.logits(sequence, 1)[0]  # [V]
             if self.sampling.greedy:
@@ -53,21 +54,21 @@ class ModelDrafter:
             token = int(choice)
             tokens.append(token)
             sequence.append(token)
-            chosen.append(choice)
-            rows.append(logits)
+            if self.min_confidence > 0:
+                confidence.append(token_confidence(logits[None], choice).cpu())
+            else:
+                chosen.append(choice)
+                rows.append(logits)
             if token in self.end_tokens:
                 break
-            if self.min_confidence > 0:
-                unsure = token_confidence(logits[None], choice).cpu()
-                if first_unconfident(unsure, self.min_confidence) is not None:
-                    break
-        confidence = None
-        if tokens:
-            confidence = token_confidence(torch.stack(rows), torch.cat(chosen)).cpu()
+            if confidence and first_unconfident(confidence[-1], self.min_confidence) is not None:
+                break
+        if rows:
+            confidence = [token_confidence(torch.stack(rows), torch.cat(chosen)).cpu()]
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
             probs=torch.stack(probs) if probs else None,
-            confidence=confidence,
+            confidence=torch.cat(confidence) if confidence else None,
         )
 
     def reset(self) -> None:
