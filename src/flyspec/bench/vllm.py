@@ -23,6 +23,7 @@ from flyspec.bench.methods import SampleRun, measured_run
 from flyspec.errors import FlyspecError
 from flyspec.integrations.vllm.engine import VllmEngine, VllmStats, read_spec_decode_stats
 from flyspec.integrations.vllm.launch import VllmEngineSpec
+from flyspec.support.console import say
 
 VLLM_METHODS: dict[str, str] = {"vllm-target": "target", "vllm-spd": "spd", "vllm-fly": "fly"}
 """Method name -> mode of the vLLM engine."""
@@ -129,10 +130,6 @@ def make_vllm_methods(
     # in-flight pass does not reuse the batch-1 pass's prompts.
     spec = replace(base, max_num_seqs=max(concurrency, 1), prefix_caching=False)
     return [VllmMethod(name, replace(spec, mode=VLLM_METHODS[name]), sampling) for name in names]
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def summarise_vllm_runs(

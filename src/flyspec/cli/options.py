@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from collections.abc import Collection, Mapping
 
 from flyspec import config as cfg
 from flyspec.errors import FlyspecError
+from flyspec.support.console import say
 
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,11 +44,6 @@ def block_size(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer or auto: {text!r}") from None
-
-
-def say(message: str) -> None:
-    """A progress or status line on stderr (stdout carries the command's result)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,6 @@ Generations go through the same cache as flyspec's engine, under vLLM's identity
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from flyspec.evaluation.runner import EngineIdentity, EvalMethod, Sample, TaskRu
 from flyspec.integrations.vllm.engine import VllmEngine
 from flyspec.integrations.vllm.launch import VllmEngineSpec
 from flyspec.models.identity import model_identity
+from flyspec.support.console import say
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,10 @@ def evaluate_on_vllm(
             spec, mode=method.mode, fly=method.fly or spec.fly, max_num_seqs=len(todo)
         )
         engine = VllmEngine(engine_spec, base.sampling)
-        _say(f"starting vLLM for {method.name} ...")
+        say(f"starting vLLM for {method.name} ...")
         start_seconds = engine.start()
         try:
-            _say(f"{method.name}: engine started in {start_seconds:.0f}s; {len(todo)} in flight")
+            say(f"{method.name}: engine started in {start_seconds:.0f}s; {len(todo)} in flight")
             results, seconds, stats = engine.run_all(
                 [job.prompt_ids for job in todo],
                 max_new_tokens=[job.config.max_new_tokens for job in todo],
@@ -144,7 +144,7 @@ def evaluate_on_vllm(
             "tokens_per_second": round(new_tokens / seconds, 3) if seconds else None,
             **stats.as_dict(),
         }
-        _say(f"{method.name}: {len(todo)} generations in {seconds:.0f}s")
+        say(f"{method.name}: {len(todo)} generations in {seconds:.0f}s")
     samples = [
         Sample(
             task=job.run.task.name,
@@ -204,7 +204,3 @@ def _entry(job: Job, token_ids, finish_reason: str, *, seconds: float, tokenizer
         "method": job.method.as_dict(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

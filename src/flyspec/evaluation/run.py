@@ -3,7 +3,6 @@ generation cache, then the report files (eval.json, eval.md, tradeoff.png, loose
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from flyspec.config import DecodeConfig
 from flyspec.errors import FlyspecError
+from flyspec.support.console import say
 
 if TYPE_CHECKING:
     from flyspec.evaluation.runner import EngineIdentity, EvalMethod
@@ -129,12 +129,12 @@ def _sandbox(tasks: Sequence[str]) -> dict | None:
 
     # Before anything is written or loaded: a bad FLYSPEC_SANDBOX is a one-line error.
     sandbox = sandbox_info().as_dict()
-    _say(
+    say(
         f"sandbox for HumanEval programs: {sandbox['backend']}, run-wide limits by "
         f"{sandbox['run_limits']} ({sandbox['interpreter']})"
     )
     for note in sandbox["notes"]:
-        _say(f"  note: {note}")
+        say(f"  note: {note}")
     return sandbox
 
 
@@ -171,7 +171,7 @@ def _load_models(
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_spec.target)
     if "humaneval-edit" in settings.tasks:
-        _say("vLLM has no Predicted Outputs: its edits are generated without the prediction")
+        say("vLLM has no Predicted Outputs: its edits are generated without the prediction")
     return None, tokenizer
 
 
@@ -320,7 +320,3 @@ def _decoding_summary(base) -> str:
     return f"{how}, drafter {base.drafter}, K={base.k}, entropy {base.fly.entropy}" + (
         f", extra stop strings {list(base.stop)}" if base.stop else ""
     )
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
