@@ -18,6 +18,7 @@ from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import CachedLM
+from tests.host_reads import HostReads
 from tests.tiny import make_tiny_model
 
 VOCAB = 64
@@ -261,6 +262,67 @@ def test_both_forward_paths_are_lossless(target, draft, forward_path):
     decoder = SpeculativeDecoder(target, draft, forward_path=forward_path)
     config = DecodeConfig(mode="spd", k=4, max_new_tokens=24)
     assert run(decoder, prompt, config) == reference_greedy(target, prompt, 24)
+
+
+@pytest.mark.parametrize("forward_path", FORWARD_PATHS)
+def test_steps_continue_the_cache_and_are_recorded_unread(draft, forward_path):
+    lm = CachedLM(draft, forward_path=forward_path)
+    sequence = [3, 9, 27, 17, 51]
+    lm.logits(sequence[:2])
+    with HostReads() as reads:
+        stepped = [lm.step(torch.tensor([token])) for token in sequence[2:]]
+    assert reads.count == 0
+    assert lm.cached_tokens == sequence
+    fresh = CachedLM(draft, forward_path=forward_path).logits(sequence, num_logits=3)
+    torch.testing.assert_close(torch.stack(stepped), fresh)
+    assert lm.logits(sequence[:3] + [1], num_logits=1).shape == (1, VOCAB)  # crops past step 1
+    assert lm.cached_tokens == sequence[:3] + [1]
+    with pytest.raises(ValueError, match="call logits"):
+        CachedLM(draft, forward_path=forward_path).step(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_model_drafter_reads_the_device_a_fixed_number_of_times_per_block(draft, temperature):
+    context = [4, 8, 15, 16, 23, 42]
+    counts = []
+    for k in (2, 12):
+        drafter = ModelDrafter(
+            CachedLM(draft), temperature=temperature, generator=torch.Generator().manual_seed(0)
+        )
+        drafter.propose(context, k)
+        with HostReads() as reads:
+            block = drafter.propose(context + [1], k)
+        assert len(block) == k
+        counts.append(reads.count)
+    assert counts[0] == counts[1] <= 2, counts
+
+
+def test_the_model_drafter_steps_past_an_end_token_and_cuts_the_block_there(draft):
+    context = [4, 8, 15, 16, 23, 42]
+    plain = ModelDrafter(CachedLM(draft)).propose(context, 12).tokens.tolist()
+    end_at = next(i for i in range(1, 10) if plain[i] not in plain[:i])
+    drafter = ModelDrafter(CachedLM(draft), end_tokens={plain[end_at]})
+    assert drafter.propose(context, 12).tokens.tolist() == plain[: end_at + 1]
+    assert drafter.lm.forward_calls == 12  # the steps after it were spent: one read a block
+
+
+def test_a_round_reads_the_device_as_often_whatever_its_block_size(target):
+    """The target drafting for itself keeps every block: the reads per round of the whole
+    loop (drafting, verification, commit) do not grow with K."""
+    per_round = {}
+    for k in (3, 9):
+        decoder = SpeculativeDecoder(target, copy.deepcopy(target))
+        stats = RequestStats()
+        with HostReads() as reads:
+            run(
+                decoder,
+                PROMPTS[0],
+                DecodeConfig(mode="spd", k=k, max_new_tokens=4 * (k + 1)),
+                stats,
+            )
+        assert stats.num_rounds == 4
+        per_round[k] = reads.count / stats.num_rounds
+    assert per_round[3] == per_round[9], per_round
 
 
 def test_mla_block_equals_the_draft_models_greedy_block(draft):

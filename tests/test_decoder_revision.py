@@ -27,13 +27,18 @@ DIGESTS = {
     1: "62da696b8f75417a8fd153cf443f919ff8e5b493370663fa6fb022ef06f62684",
     2: "62da696b8f75417a8fd153cf443f919ff8e5b493370663fa6fb022ef06f62684",
     3: "62da696b8f75417a8fd153cf443f919ff8e5b493370663fa6fb022ef06f62684",
+    4: "62da696b8f75417a8fd153cf443f919ff8e5b493370663fa6fb022ef06f62684",
 }
 """The digest of :func:`emitted` at each revision; a new revision adds its own line. Revision
 2 (FLy's gate reads the logits after temperature and top-k/top-p at T > 0) emits the same
 tokens for these configurations: tests/test_decode.py pins a case it changes. Revision 3
 (-k auto learns acceptance as committed and counts loose keeps where a window could fit, so it
 may choose other blocks, which changes what FLy loosens) changes none of them: none uses
--k auto, whose choices follow measured times (tests/test_auto_k.py pins its rules)."""
+-k auto, whose choices follow measured times (tests/test_auto_k.py pins its rules). Revision 4
+(the draft model reads its block once, so it drafts past an end token before the block is cut
+there) changes none of them: a sampled draft then draws more from its generator, which moves
+later samples only where the target rejects a block before its end token
+(tests/test_decode.py pins such a case)."""
 
 PAPER = FlyConfig(window=2, theta=0.3)
 CONFIGS = {

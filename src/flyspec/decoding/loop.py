@@ -30,7 +30,7 @@ __all__ = [
     "text_settings",
 ]
 
-DECODER_REVISION = 3
+DECODER_REVISION = 4
 """The revision of what the decoder emits. Bump it with every change that can alter the
 tokens emitted for some :class:`DecodeConfig` (verification, drafting, where blocks are cut
 near the budget or an end-of-sequence token): caches of generated text key on it, so no

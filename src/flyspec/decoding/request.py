@@ -339,23 +339,26 @@ def loose_records(
     index = torch.tensor(positions, device=target_logits.device)
     draft_tokens = draft.tokens.to(target_logits.device)[index]
     features = loose_token_features(target_logits[index], draft_tokens, entropy=entropy)
-    columns = {name: values.tolist() for name, values in features.items()}
+    if draft.confidence is not None:
+        features["draft_confidence"] = draft.confidence.to(target_logits.device)[index]
+    features["draft_token"] = draft_tokens
+    # One read for them all: float64 holds the token ids and ranks exactly.
+    rows = torch.stack([values.double() for values in features.values()]).tolist()
+    columns = dict(zip(features, rows, strict=True))
     return {
         position: LooseToken(
             output_index=produced + position,
             position=position,
             block_size=len(draft),
             deferred=verdict.deferral is not None and position == verdict.deferral.position,
-            draft_token=int(draft_tokens[row]),
+            draft_token=int(columns["draft_token"][row]),
             target_token=int(columns["target_token"][row]),
-            entropy=float(columns["entropy"][row]),
-            draft_prob=float(columns["draft_prob"][row]),
-            top_prob=float(columns["top_prob"][row]),
-            ratio=float(columns["ratio"][row]),
+            entropy=columns["entropy"][row],
+            draft_prob=columns["draft_prob"][row],
+            top_prob=columns["top_prob"][row],
+            ratio=columns["ratio"][row],
             rank=int(columns["rank"][row]),
-            draft_confidence=(
-                None if draft.confidence is None else float(draft.confidence[position])
-            ),
+            draft_confidence=columns.get("draft_confidence", [None] * len(positions))[row],
         )
         for row, position in enumerate(positions)
     }

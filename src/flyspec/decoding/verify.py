@@ -13,7 +13,7 @@ neither and append the target's *correction* there, or the *bonus* token when al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -254,19 +254,20 @@ def loosely_accepted(
 
 
 def deferred_need(
-    accepted: torch.Tensor, candidates: torch.Tensor, *, cut: int, window: int
+    accepted: Sequence[bool], candidates: Sequence[bool], *, cut: int, window: int
 ) -> int:
     """How many exact matches the next block must start with to complete the window of the
-    mismatch at ``cut``, or 0 when it cannot be deferred. ``bool[K], bool[K] -> int``.
+    mismatch at ``cut``, or 0 when it cannot be deferred. ``bool[K], bool[K] -> int``
+    (lists, or tensors on the CPU).
 
     Deferrable: ``cut`` is a loosening candidate whose window runs past the end of the block
     and every position after it in the block matched exactly.
     """
-    num_drafted = accepted.shape[0]
-    if cut >= num_drafted or not bool(candidates[cut]):
+    num_drafted = len(accepted)
+    if cut >= num_drafted or not candidates[cut]:
         return 0
     tail = num_drafted - 1 - cut
-    if tail >= window or not bool(accepted[cut + 1 :].all()):
+    if tail >= window or not all(accepted[cut + 1 :]):
         return 0
     return window - tail
 
@@ -313,45 +314,60 @@ def speculative_acceptance(
     return (draft_at_draft > 0) & (uniforms * draft_at_draft < target_at_draft)
 
 
-def first_unkept(kept: torch.Tensor) -> int:
+def first_unkept(kept: Sequence[bool]) -> int:
     """Index of the first False in ``bool[K]``, or K when all are True."""
-    return int(kept.long().cumprod(0).sum())
+    return next((index for index, keep in enumerate(kept) if not keep), len(kept))
 
 
 def _verdict(
     *,
     accepted: torch.Tensor,
     candidates: torch.Tensor,
-    next_token_at: Callable[[int], int],
+    next_token: torch.Tensor | Callable[[int], int],
     fly: FlyConfig | None,
 ) -> Verdict:
     """The verdict on a block from its accepted positions and its loosening candidates
     (:func:`loosening_candidates`; all False without FLy): the candidates whose window holds
-    are kept loosely, and a candidate at the cut may be deferred."""
+    are kept loosely, and a candidate at the cut may be deferred. ``next_token``: the target's
+    token at each possible cut ``long[K+1]`` where it does not depend on the cut (temperature
+    0), else a function that draws it for a cut.
+
+    The masks, with the tokens at the cuts when given, are read from the device at once: one
+    host synchronisation, whatever K (and a draw's own at temperature > 0)."""
     num_drafted = accepted.shape[0]
     loose = candidates
     if fly is not None:
         loose = candidates & window_holds(accepted, window=fly.window)
-    num_kept = first_unkept(accepted | loose)
-    loose_positions = tuple(int(i) for i in loose[:num_kept].nonzero().flatten())
+    read = torch.stack([accepted, candidates, loose]).long().flatten()  # [3K]
+    if isinstance(next_token, torch.Tensor):
+        read = torch.cat([read, next_token.long()])  # [3K + K + 1]
+    values = read.tolist()
+    accepted_at, candidate_at, loose_at = (
+        values[i * num_drafted : (i + 1) * num_drafted] for i in range(3)
+    )
+    token_at = (
+        values[3 * num_drafted :].__getitem__
+        if isinstance(next_token, torch.Tensor)
+        else next_token
+    )
+    num_kept = first_unkept([a or b for a, b in zip(accepted_at, loose_at, strict=True)])
+    loose_positions = tuple(i for i in range(num_kept) if loose_at[i])
     need = 0
     if fly is not None and fly.defer:
-        need = deferred_need(accepted, candidates, cut=num_kept, window=fly.window)
+        need = deferred_need(accepted_at, candidate_at, cut=num_kept, window=fly.window)
     if need:
         return Verdict(
             num_drafted=num_drafted,
             num_kept=num_drafted,
             loose_positions=loose_positions,
-            next_token=int(next_token_at(num_drafted)),
-            deferral=Deferral(
-                position=num_kept, need=need, correction=int(next_token_at(num_kept))
-            ),
+            next_token=token_at(num_drafted),
+            deferral=Deferral(position=num_kept, need=need, correction=token_at(num_kept)),
         )
     return Verdict(
         num_drafted=num_drafted,
         num_kept=num_kept,
         loose_positions=loose_positions,
-        next_token=int(next_token_at(num_kept)),
+        next_token=token_at(num_kept),
     )
 
 
@@ -375,7 +391,7 @@ def verify_greedy(
     num_drafted = draft_tokens.shape[0]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
     candidates = torch.zeros_like(accepted)
-    if fly is not None and num_drafted and not bool(accepted.all()):
+    if fly is not None and num_drafted:
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
         candidates = loosening_candidates(
@@ -389,7 +405,7 @@ def verify_greedy(
     return _verdict(
         accepted=accepted,
         candidates=candidates,
-        next_token_at=lambda n: target_tokens[n],
+        next_token=target_tokens,
         fly=fly,
     )
 
@@ -459,7 +475,7 @@ def verify_sampling(
     accepted = speculative_acceptance(target_at_draft, draft_at_draft, uniforms)  # [K]
 
     candidates = torch.zeros_like(accepted)
-    if fly is not None and num_drafted and not bool(accepted.all()):
+    if fly is not None and num_drafted:
         if target_logits is None:
             raise ValueError("target_logits are needed for the FLy entropy gate")
         candidates = loosening_candidates(
@@ -481,7 +497,7 @@ def verify_sampling(
             generator=generator,
         )
 
-    return _verdict(accepted=accepted, candidates=candidates, next_token_at=next_token_at, fly=fly)
+    return _verdict(accepted=accepted, candidates=candidates, next_token=next_token_at, fly=fly)
 
 
 def sample_correction(

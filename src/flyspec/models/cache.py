@@ -165,6 +165,11 @@ class LanguageModel(Protocol):
         ``tokens[len(tokens) - num_logits + j]``."""
         ...
 
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits ``[V]`` for the token after ``token`` ``long[1]`` (on :attr:`device`), which
+        continues the tokens last given, without reading it back from the device."""
+        ...
+
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
         ...
@@ -196,6 +201,7 @@ class CachedLM:
         self.context_length: int | None = self.runner.context_length
         self.forward_calls = 0
         self._tokens: list[int] = []
+        self._unread: list[torch.Tensor] = []  # long[1] each: fed by step(), not yet read
 
     @property
     def vocab_size(self) -> int:
@@ -207,7 +213,11 @@ class CachedLM:
 
     @property
     def cached_tokens(self) -> list[int]:
-        """The token ids whose positions the runner's cache holds."""
+        """The token ids whose positions the runner's cache holds (those :meth:`step` fed are
+        read from the device here, all at once)."""
+        if self._unread:
+            self._tokens += torch.cat(self._unread).tolist()
+            self._unread = []
         return self._tokens[: self.runner.length]
 
     def state_bytes(self) -> int:
@@ -219,6 +229,7 @@ class CachedLM:
         """Forget everything cached (a new request)."""
         self.runner.reset()
         self._tokens = []
+        self._unread = []
         self.forward_calls = 0
 
     @torch.inference_mode()
@@ -236,3 +247,16 @@ class CachedLM:
         logits = self.runner.forward(new_tokens, num_logits)
         self.forward_calls += 1
         return logits
+
+    @torch.inference_mode()
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits ``[V]`` for the token after ``token`` ``long[1]`` (on :attr:`device`), which
+        continues the tokens last given: a drafter's one-token step. The token stays on the
+        device, unread until :attr:`cached_tokens` is next needed, so that a block of steps
+        costs no host synchronisation per token."""
+        if not self._tokens and not self._unread:
+            raise ValueError("step() continues a sequence: call logits() first")
+        self._unread.append(token.reshape(1))
+        logits = self.runner.forward(token.reshape(1, 1), 1)
+        self.forward_calls += 1
+        return logits[0]

@@ -19,7 +19,8 @@ class Draft:
     ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot); and the
     draft model's ``confidence`` ``float[K]`` in each of its tokens (:func:`token_confidence`;
     None for drafters without a model, such as prompt lookup); and where the tokens come from
-    (``source``)."""
+    (``source``). ``tokens`` are on the CPU; ``probs`` and ``confidence`` may stay on the
+    draft model's device."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None

@@ -7,7 +7,12 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flyspec.config import SamplingConfig
-from flyspec.decoding.drafters.base import Draft, first_unconfident, token_confidence
+from flyspec.decoding.drafters.base import (
+    Draft,
+    first_unconfident,
+    through_end,
+    token_confidence,
+)
 from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import LanguageModel
 
@@ -34,42 +39,51 @@ class ModelDrafter:
         self.min_confidence = min_confidence
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Up to ``k`` tokens after ``context``, one forward each. Each token is read back once
-        (the next forward's input and the end-of-sequence check need it); the confidences are
-        read once per block, unless ``min_confidence`` needs each one at once."""
-        sequence = list(context)
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        confidence: list[torch.Tensor] = []  # float[1] each, where read at once
-        chosen: list[torch.Tensor] = []  # long[1] each, on the model's device, else
+        """Up to ``k`` tokens after ``context``, one forward each. The chosen tokens stay on
+        the model's device, each the input of the next forward, and the block is read back
+        once: drafting costs no host synchronisation per token. It is then cut after an end
+        token (the steps past it were spent for nothing, once a request). Only with
+        ``min_confidence > 0`` is each token read at once, to end the block early."""
+        if k <= 0:
+            return Draft.empty()
+        logits = self.lm.logits(context, 1)[0]  # [V]
+        chosen: list[torch.Tensor] = []  # long[1] each, on the model's device
+        probs: list[torch.Tensor] = []  # [V] each, where sampled
         rows: list[torch.Tensor] = []  # [V] each: the logits each token was chosen from
-        for _ in range(k):
-            logits = self.lm.logits(sequence, 1)[0]  # [V]
-            if self.sampling.greedy:
-                choice = logits.argmax().reshape(1)
-            else:
-                step_probs = sampling_probs(logits, self.sampling)
-                choice = torch.multinomial(step_probs, 1, generator=self.generator)
+        for index in range(k):
+            if index:
+                logits = self.lm.step(chosen[-1])
+            choice, step_probs = self._choose(logits)
+            chosen.append(choice)
+            rows.append(logits)
+            if step_probs is not None:
                 probs.append(step_probs)
-            token = int(choice)
-            tokens.append(token)
-            sequence.append(token)
-            if self.min_confidence > 0:
-                confidence.append(token_confidence(logits[None], choice).cpu())
-            else:
-                chosen.append(choice)
-                rows.append(logits)
-            if token in self.end_tokens:
+            if self.min_confidence > 0 and self._ends_block(logits, choice):
                 break
-            if confidence and first_unconfident(confidence[-1], self.min_confidence) is not None:
-                break
-        if rows:
-            confidence = [token_confidence(torch.stack(rows), torch.cat(chosen)).cpu()]
+        chosen_tokens = torch.cat(chosen)  # long[n]
+        confidence = token_confidence(torch.stack(rows), chosen_tokens)  # float[n]
+        tokens = through_end(chosen_tokens.tolist(), self.end_tokens)  # the block's one read
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,
-            confidence=torch.cat(confidence) if confidence else None,
+            probs=torch.stack(probs[: len(tokens)]) if probs else None,
+            confidence=confidence[: len(tokens)],
         )
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next token ``long[1]`` from ``logits`` ``[V]``: the argmax, or a sample with
+        the distribution it was drawn from ``[V]``."""
+        if self.sampling.greedy:
+            return logits.argmax().reshape(1), None
+        step_probs = sampling_probs(logits, self.sampling)
+        return torch.multinomial(step_probs, 1, generator=self.generator), step_probs
+
+    def _ends_block(self, logits: torch.Tensor, choice: torch.Tensor) -> bool:
+        """Whether the block ends after ``choice``: an end token, or one the model was unsure
+        of (reads both from the device)."""
+        if int(choice) in self.end_tokens:
+            return True
+        confidence = token_confidence(logits[None], choice)
+        return first_unconfident(confidence, self.min_confidence) is not None
 
     def reset(self) -> None:
         self.lm.reset()
