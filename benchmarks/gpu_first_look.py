@@ -42,6 +42,10 @@ The rows, by phase:
 - ``kernel check``: vLLM 0.34's FLy kernel against flyspec's rule on random conformance
   batches (``benchmarks/vllm_fly_gpu.py``), when its files were extracted into
   ``benchmarks/vllm_fly_kernels``.
+- ``compiled``: the first target again, alone and drafting for itself at K=8, through the
+  compiled forward (``--forward compiled``: ``torch.compile``, CUDA graphs on a GPU), each
+  row's figure against the eager row of the same run, with the graphs compiled and the time
+  the row took with compiling. Last, as compiling takes the longest.
 
 Windows of a decode start after its first round, so that neither the prompt's prefill nor the
 first round's start-up counts.
@@ -62,7 +66,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -94,6 +98,7 @@ MODELS = {
 }
 TARGETS = ("1.5b", "7b", "32b")
 OVERHEAD_KS = (4, 8, 15)
+COMPILED_K = 8
 MAX_NEW_TOKENS = 16  # V(n) for n = 1 .. 16: a block of 15 drafted tokens and the last one
 TINY_SHAPE = {
     "hidden_size": 64,
@@ -297,9 +302,10 @@ class TimedRunner:
         return sum(r.device_seconds() for r in self.records if r.issued >= since)
 
 
-def timed_lm(model: torch.nn.Module) -> tuple[CachedLM, TimedRunner]:
-    """A :class:`CachedLM` over the decoder's default (lean) forward of ``model``, timed."""
-    runner = TimedRunner(make_forward(model, "lean"))
+def timed_lm(model: torch.nn.Module, forward_path: str = "lean") -> tuple[CachedLM, TimedRunner]:
+    """A :class:`CachedLM` over the forward ``forward_path`` of ``model`` (the decoder's
+    default: lean), timed."""
+    runner = TimedRunner(make_forward(model, forward_path))
     return CachedLM(runner), runner
 
 
@@ -488,12 +494,18 @@ def forward_cost_row(name: str, model: torch.nn.Module, sizes: Sizes, *, draft: 
 
 
 def engine_row(
-    name: str, model: torch.nn.Module, sizes: Sizes, bandwidth: float | None, *, role: str
+    name: str,
+    model: torch.nn.Module,
+    sizes: Sizes,
+    bandwidth: float | None,
+    *,
+    role: str,
+    forward_path: str = "lean",
 ) -> Row:
     """A model decoding alone through flyspec's decoder (mode target, greedy): its time per
     token against the bound, split into the forwards' device time and the loop's."""
     device = next(model.parameters()).device
-    lm, runner = timed_lm(model)
+    lm, runner = timed_lm(model, forward_path)
     decoder = SpeculativeDecoder(lm)
     prompt = random_prompt(model.config.vocab_size, sizes.context)
     decode_window(decoder, [runner], prompt, DecodeConfig(mode="target", max_new_tokens=8))
@@ -529,7 +541,7 @@ def engine_row(
         )
     return Row(
         "engine alone",
-        f"{role} {name}, mode target",
+        f"{role} {name}, mode target{compiled_suffix(forward_path)}",
         "ok",
         f"{fmt_ms(per_token)} per token{bound}",
         f"forwards {fmt_ms(forwards)} (device time), loop {fmt_ms(per_token - forwards)} per "
@@ -539,18 +551,48 @@ def engine_row(
     )
 
 
+def compiled_suffix(forward_path: str) -> str:
+    return ", compiled" if forward_path == "compiled" else ""
+
+
+def compiled_row(measure: Callable[[str], Row], eager: Row | None, key: str) -> Row:
+    """``measure`` run on the compiled forward (``torch.compile``; CUDA graphs on a GPU):
+    its row, with the compile time (the first, untimed run of the row's work pays it) and
+    the figure ``key`` against the eager row of the same run."""
+    import torch._dynamo
+
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    row = replace(measure("compiled"), phase="compiled")
+    row.values["seconds_with_compiling"] = time.perf_counter() - started
+    row.values["graphs_compiled"] = (
+        torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    )
+    row.detail += (
+        f"; graphs compiled: {row.values['graphs_compiled']}; the row took "
+        f"{row.values['seconds_with_compiling']:.0f} s with compiling"
+    )
+    if eager is not None and eager.status == "ok" and key in eager.values:
+        ratio = row.values[key] / eager.values[key]
+        row.values[f"{key}_compiled_over_eager"] = ratio
+        row.result += f"; compiled/eager {ratio:.2f}"
+    return row
+
+
 def sync_text(device: torch.device, syncs: float | None) -> str:
     if syncs is not None:
         return f"{syncs:.1f}"
     return "not counted on the CPU" if device.type != "cuda" else "not reported by torch"
 
 
-def overhead_row(name: str, model: torch.nn.Module, sizes: Sizes, k: int) -> Row:
+def overhead_row(
+    name: str, model: torch.nn.Module, sizes: Sizes, k: int, *, forward_path: str = "lean"
+) -> Row:
     """The target drafting for itself with FLy at block size ``k``: the loop's own time per
     round beyond its forwards, and its host synchronisations."""
     device = next(model.parameters()).device
-    target_lm, target_runner = timed_lm(model)
-    draft_lm, draft_runner = timed_lm(model)
+    target_lm, target_runner = timed_lm(model, forward_path)
+    draft_lm, draft_runner = timed_lm(model, forward_path)
     decoder = SpeculativeDecoder(target_lm, draft_lm)
     runners = [target_runner, draft_runner]
     prompt = random_prompt(model.config.vocab_size, sizes.context)
@@ -582,7 +624,7 @@ def overhead_row(name: str, model: torch.nn.Module, sizes: Sizes, k: int) -> Row
     }
     return Row(
         "loop overhead",
-        f"target {name} drafting for itself, FLy K={k}",
+        f"target {name} drafting for itself, FLy K={k}{compiled_suffix(forward_path)}",
         "ok",
         f"{fmt_ms(round_s - forwards)} per round beyond the forwards",
         f"round {fmt_ms(round_s)}, forwards {fmt_ms(forwards)} (device time); "
@@ -775,6 +817,7 @@ class FirstLook:
         self.ks = sorted(set(OVERHEAD_KS) | {entry["k"] for entry in load_tau()})
         self.bandwidth: float | None = None
         self.draft_ms: float | None = None
+        self.eager: dict[tuple[str, str | int], Row] = {}  # rows to compare compiled ones with
 
     def run(self) -> tuple[dict, list[Row]]:
         env = self.env
@@ -796,6 +839,7 @@ class FirstLook:
             "vLLM 0.34 FLy kernel",
             lambda: kernel_row(self.device, self.sizes, self.args.kernel_batches),
         )
+        self.measure_compiled(self.targets[0])
         env["elapsed_s"] = round(time.perf_counter() - self.table.started, 1)
         return env, self.table.rows
 
@@ -826,6 +870,32 @@ class FirstLook:
             return work(model)
 
         return guarded
+
+    def measure_compiled(self, name: str) -> None:
+        """The target ``name`` alone and drafting for itself at K=:data:`COMPILED_K` through
+        the compiled forward, against the same rows in eager mode; last, as compiling takes
+        the longest."""
+        model = self.build(name)
+        sizes, bandwidth = self.sizes, self.bandwidth
+
+        def alone(m: torch.nn.Module) -> Row:
+            def measure(path: str) -> Row:
+                return engine_row(name, m, sizes, bandwidth, role="target", forward_path=path)
+
+            return compiled_row(measure, self.eager.get((name, "engine")), "ms_per_token")
+
+        def drafting(m: torch.nn.Module) -> Row:
+            def measure(path: str) -> Row:
+                return overhead_row(name, m, sizes, COMPILED_K, forward_path=path)
+
+            return compiled_row(measure, self.eager.get((name, COMPILED_K)), "round_ms")
+
+        self.table.phase("compiled", f"target {name}, mode target", self.measured(model, alone))
+        self.table.phase(
+            "compiled",
+            f"target {name} drafting for itself, FLy K={COMPILED_K}",
+            self.measured(model, drafting),
+        )
 
     def measure_draft(self) -> None:
         draft = self.build(DRAFT)
@@ -860,6 +930,7 @@ class FirstLook:
             ),
         )
         engine_ms = self.table.value(rows, "ms_per_token")
+        self.eager[name, "engine"] = rows[0]
         overhead_ms = {}
         for k in self.ks:
             rows = self.table.phase(
@@ -867,6 +938,7 @@ class FirstLook:
                 f"target {name} drafting for itself, FLy K={k}",
                 self.measured(model, lambda m, k=k: overhead_row(name, m, self.sizes, k)),
             )
+            self.eager[name, k] = rows[0]
             if (value := self.table.value(rows, "overhead_ms_per_round")) is not None:
                 overhead_ms[k] = value
 

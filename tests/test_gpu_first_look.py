@@ -62,12 +62,13 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
     assert counts == {
         "device": 1,
         "bandwidth": 1,
-        "model": 4,
+        "model": 5,  # the first target is built again for the compiled rows
         "forward cost": 4,
         "engine alone": 4,
         "loop overhead": 3 * len(OVERHEAD_KS),
         "projection": 3 * len(TAU_ENTRIES),
         "kernel check": 1,
+        "compiled": 2,
     }
     (kernel,) = rows_of(report, "kernel check")
     assert kernel["status"] == "skipped"
@@ -101,6 +102,27 @@ def test_costs_engine_and_loop_rows_hold_consistent_figures(cpu_form):
         )
         assert 1 <= values["tokens_per_round"] <= values["k"] + 1
         assert values["rounds"] >= 1
+
+
+def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
+    _, report, _ = cpu_form
+    alone, drafting = rows_of(report, "compiled")
+    eager_alone = next(r for r in rows_of(report, "engine alone") if "target 1.5b" in r["subject"])
+    eager_drafting = next(
+        r
+        for r in rows_of(report, "loop overhead")
+        if r["subject"].endswith("1.5b drafting for itself, FLy K=8")
+    )
+    assert alone["subject"].endswith(", compiled") and drafting["values"]["k"] == 8
+    for row, eager, key in (
+        (alone, eager_alone, "ms_per_token"),
+        (drafting, eager_drafting, "round_ms"),
+    ):
+        assert row["values"][f"{key}_compiled_over_eager"] == pytest.approx(
+            row["values"][key] / eager["values"][key]
+        )
+        assert row["values"]["seconds_with_compiling"] > 0
+        assert row["values"]["graphs_compiled"] >= 0
 
 
 def test_projections_follow_break_even_from_the_measured_costs_and_tau(cpu_form):

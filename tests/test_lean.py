@@ -1,13 +1,17 @@
 """The lean forward: the same logits as transformers' ``model(...)``, across cache crops and
 buffer growth; models it cannot run fall back to transformers' forward."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig
+from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, KernelConfig
 from flyspec.decoding.loop import SpeculativeDecoder
+from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, TransformersForward, make_forward
+from flyspec.models.kernels import check_compiled_forward
 from flyspec.models.lean import LeanForward, lean_unsupported_reason
 from tests.tiny import make_tiny_model
 
@@ -25,18 +29,23 @@ def full_forward_logits(model, tokens, num_logits):
         return model(input_ids=torch.tensor([tokens])).logits[0, -num_logits:]
 
 
-def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model, compiled):
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (40,), generator=generator).tolist()
-    lean = LeanForward(model)
+    tokens = torch.randint(0, VOCAB, (60,), generator=generator).tolist()
+    lean = LeanForward(model, compiled=compiled)
     start = 0
     with torch.inference_mode():
-        for size in (7, 1, 1, 16, 3, 1, 11):  # 40 tokens in blocks, like prefill + rounds
+        # 60 tokens in blocks, like prefill + rounds; compiled, the one of 20 runs eagerly.
+        for size in (7, 1, 1, 16, 3, 1, 11, 20):
             block = tokens[start : start + size]
             logits = lean.forward(torch.tensor([block]), size)
             start += size
-            torch.testing.assert_close(logits, full_forward_logits(model, tokens[:start], size))
-    assert lean.length == 40
+            expected = full_forward_logits(model, tokens[:start], size)
+            # Fused by the compiler, the norms' float32 arithmetic rounds differently.
+            tolerance = {"atol": 1e-5, "rtol": 1e-5} if compiled else {}
+            torch.testing.assert_close(logits, expected, **tolerance)
+    assert lean.length == 60
 
 
 def test_a_crop_drops_the_rejected_positions(model):
@@ -70,14 +79,29 @@ def test_buffers_grow_past_their_first_capacity_and_keep_the_cache(model):
     torch.testing.assert_close(logits, full_forward_logits(model, tokens, 3))
 
 
-def test_lean_and_transformers_paths_decode_the_same_tokens(model):
+def test_every_forward_path_decodes_the_same_tokens(model):
     draft = make_tiny_model(vocab_size=VOCAB, seed=4, dtype=torch.float64)
     config = DecodeConfig(mode="fly", k=5, max_new_tokens=30, fly=FlyConfig(theta=0.0, window=2))
     outputs = {}
     for path in FORWARD_PATHS:
         decoder = SpeculativeDecoder(model, draft, forward_path=path)
         outputs[path] = [event.token for event in decoder.stream([3, 1, 4, 1, 5], config)]
-    assert outputs["lean"] == outputs["transformers"]
+    assert outputs["lean"] == outputs["transformers"] == outputs["compiled"]
+
+
+def test_the_compiled_forward_refuses_what_it_cannot_compile(model):
+    with pytest.raises(FlyspecError, match="--linear default --draft-quant none"):
+        check_compiled_forward(KernelConfig(forward="compiled"))
+    check_compiled_forward(KernelConfig(forward="lean"))
+    check_compiled_forward(replace(KernelConfig.plain(), forward="compiled"))
+    runner = LeanForward(model, compiled=True)
+
+    def fails(*args):
+        raise torch._dynamo.exc.Unsupported("an operator it cannot trace")
+
+    runner._compiled_layers = fails
+    with pytest.raises(FlyspecError, match="could not compile .*cannot trace"):
+        runner.forward(torch.tensor([[1, 2]]), 1)
 
 
 def test_other_architectures_fall_back_to_transformers():
@@ -94,6 +118,8 @@ def test_other_architectures_fall_back_to_transformers():
     assert "depends on the sequence length" in lean_unsupported_reason(dynamic_rope)
     assert isinstance(make_forward(dynamic_rope, "lean"), TransformersForward)
     assert CachedLM(dynamic_rope).forward_path == "transformers"
+    with pytest.raises(FlyspecError, match="compiled forward runs what the lean forward runs"):
+        make_forward(dynamic_rope, "compiled")
     with pytest.raises(ValueError, match="cannot run this model"):
         LeanForward(dynamic_rope)
 

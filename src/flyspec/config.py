@@ -55,7 +55,7 @@ MAX_SEED = 2**63 - 1
 
 LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")
-FORWARD_PATHS: tuple[str, ...] = ("lean", "transformers")
+FORWARD_PATHS: tuple[str, ...] = ("lean", "transformers", "compiled")
 
 
 class ConfigError(FlyspecError, ValueError):
@@ -146,7 +146,9 @@ class KernelConfig:
     ``draft_quant`` / ``target_quant``: int8 (dynamic) or fp16 weights for that model's Linear
     layers; a quantised draft never changes what exact SPD emits, a quantised target does.
     ``forward``: flyspec's lean forward with a preallocated KV cache (Llama-family models;
-    others fall back), or transformers' ``model(...)``. Only ``forward`` applies off the CPU.
+    others fall back), the same through ``torch.compile`` (CUDA graphs on a GPU;
+    :class:`~flyspec.models.lean.LeanForward`), or transformers' ``model(...)``. Only
+    ``forward`` applies off the CPU.
     """
 
     linear: str = "onednn"

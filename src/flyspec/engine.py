@@ -194,12 +194,17 @@ class Engine:
             load_tokenizer,
             resolve_pair,
         )
-        from flyspec.models.kernels import apply_cpu_kernels, check_target_quant
+        from flyspec.models.kernels import (
+            apply_cpu_kernels,
+            check_compiled_forward,
+            check_target_quant,
+        )
 
         if target is None or (with_draft and draft is None):
             target, draft = resolve_pair(target, draft)
-        if device == "cpu":
-            check_target_quant(kernels.target_quant, dtype)  # before minutes of loading
+        if device == "cpu":  # before minutes of loading
+            check_target_quant(kernels.target_quant, dtype)
+            check_compiled_forward(kernels)
         tokenizer = load_tokenizer(target)
         draft_model = None
         if with_draft:

@@ -105,7 +105,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.forward,
         choices=cfg.FORWARD_PATHS,
         help="lean: flyspec's own forward with a preallocated KV cache for Llama-family models "
-        "(default; other models fall back to transformers'), or transformers' model(...)",
+        "(default; other models fall back to transformers'); compiled: the same through "
+        "torch.compile, CUDA graphs on a GPU (each block size compiles on first use; on the CPU "
+        "with --linear default --draft-quant none); or transformers' model(...)",
     )
 
 

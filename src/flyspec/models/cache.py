@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from flyspec.config import FORWARD_PATHS
+from flyspec.errors import FlyspecError
 from flyspec.models.lean import LeanForward, lean_unsupported_reason, output_rows
 
 
@@ -41,7 +42,7 @@ class ForwardRunner(Protocol):
     that cache: what :class:`CachedLM` drives."""
 
     forward_path: str
-    """``lean``, ``transformers`` or ``llamacpp``."""
+    """``lean``, ``compiled``, ``transformers`` or ``llamacpp``."""
     model: torch.nn.Module | None
     """The torch module it runs (None: the weights live outside torch)."""
     device: torch.device
@@ -137,11 +138,15 @@ class TransformersForward:
 
 def make_forward(model: torch.nn.Module, path: str = "lean") -> TransformersForward | LeanForward:
     """The forward runner for ``model``: ``lean`` where the architecture allows it (else
-    transformers'), or ``transformers``."""
+    transformers'), ``compiled`` (the lean forward through ``torch.compile``; FlyspecError
+    where the lean forward cannot run the model), or ``transformers``."""
     if path not in FORWARD_PATHS:
         raise ValueError(f"forward path must be one of {', '.join(FORWARD_PATHS)}, got {path!r}")
-    if path == "lean" and lean_unsupported_reason(model) is None:
-        return LeanForward(model)
+    reason = lean_unsupported_reason(model)
+    if path == "compiled" and reason is not None:
+        raise FlyspecError(f"the compiled forward runs what the lean forward runs: {reason}")
+    if path in ("lean", "compiled") and reason is None:
+        return LeanForward(model, compiled=path == "compiled")
     return TransformersForward(model)
 
 

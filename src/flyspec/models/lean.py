@@ -20,12 +20,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flyspec.errors import FlyspecError
+
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 # Rotary variants whose tables do not depend on the sequence length.
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 _MIN_CAPACITY = 256
+COMPILED_MAX_TOKENS = 16
+"""The longest forward the compiled path runs compiled: a block of 15 draft tokens and the
+token before it (the default K)."""
 
 
 def lean_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -69,12 +74,17 @@ class LeanForward:
 
     ``forward`` appends the new tokens' keys and values in place; ``crop`` only moves the
     length, so dropping a rejected draft block costs nothing. Buffers grow by doubling.
+
+    ``compiled``: forwards of up to :data:`COMPILED_MAX_TOKENS` new tokens (a draft step, a
+    verified block) run through ``torch.compile``, attending over the whole buffer with a mask
+    so that their shapes do not change as the cache fills; on CUDA in mode ``reduce-overhead``,
+    which replays each size as a CUDA graph. Each size compiles on its first use (seconds);
+    longer forwards (a prompt) run as in eager mode.
     """
 
-    forward_path = "lean"
     context_length = None
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, compiled: bool = False) -> None:
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
@@ -91,6 +101,12 @@ class LeanForward:
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)  # [capacity, head_dim]
+        self.compiled = compiled
+        self.forward_path = "compiled" if compiled else "lean"
+        self._compiled_layers = None
+        if compiled:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled_layers = torch.compile(self._layers, mode=mode, fullgraph=True)
 
     @property
     def vocab_size(self) -> int:
@@ -120,9 +136,13 @@ class LeanForward:
         def grow(old: list[torch.Tensor]) -> list[torch.Tensor]:
             buffers = []
             for index in range(len(self.model.model.layers)):
-                buffer = torch.empty(shape, dtype=like.dtype, device=self.device)
+                # Zeros: the compiled path's masked attention still multiplies unwritten
+                # positions' values by 0, which garbage (NaN) would survive.
+                buffer = torch.zeros(shape, dtype=like.dtype, device=self.device)
                 if index < len(old) and kept:
                     buffer[:, :, :kept] = old[index][:, :, :kept]
+                if self.compiled:  # updated in place by the CUDA graphs, which keep its address
+                    torch._dynamo.mark_static_address(buffer)
                 buffers.append(buffer)
             return buffers
 
@@ -151,40 +171,66 @@ class LeanForward:
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
         which continue the ``length`` cached positions."""
-        inner = self.model.model
         n = input_ids.shape[1]
         start, end = self.length, self.length + n
-        hidden = inner.embed_tokens(input_ids)  # [1, n, D]
+        hidden = self.model.model.embed_tokens(input_ids)  # [1, n, D]
         self._reserve(end, hidden)
-        cos = self.cos[start:end]  # [n, head_dim], broadcast over [1, heads, n, head_dim]
-        sin = self.sin[start:end]
+        positions = torch.arange(start, end, device=self.device)
+        if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
+            # Every buffered position, those past the new tokens masked: fixed shapes.
+            visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
+            try:
+                hidden = self._compiled_layers(hidden, positions, visible, self.capacity)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                raise FlyspecError(
+                    f"torch.compile could not compile this model's layers "
+                    f"({type(error).__name__}: {first_line[:200]}); use the lean forward"
+                ) from error
+        elif n > 1 and start > 0:
+            # New token i sees every cached position and the new tokens up to itself.
+            visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+            hidden = self._layers(hidden, positions, visible, end)
+        else:  # one token, or an empty cache: plain causal attention, a faster kernel
+            hidden = self._layers(hidden, positions, None, end)
+        self.length = end
+        hidden = self.model.model.norm(hidden[:, -num_logits:])
+        return self.model.get_output_embeddings()(hidden)[0]
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor | None,
+        key_length: int,
+    ) -> torch.Tensor:
+        """The decoder layers over the new tokens' ``hidden`` states ``[1, n, D]`` at
+        ``positions`` ``long[n]``: their keys and values go into the buffers, and each attends
+        to the first ``key_length`` buffered positions where ``visible`` ``bool[n,
+        key_length]`` allows (None: causally, which on an empty cache is the same)."""
+        n = hidden.shape[1]
+        cos = self.cos[positions]  # [n, head_dim], broadcast over [1, heads, n, head_dim]
+        sin = self.sin[positions]
         half = self.head_dim // 2
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
             return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-        # New token i sees every cached position and the new tokens up to itself. On an empty
-        # cache that is plain causal attention, which has a faster kernel than a mask.
-        mask = None
-        if n > 1 and start > 0:
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
-        for index, layer in enumerate(inner.layers):
+        for index, layer in enumerate(self.model.model.layers):
             attention = layer.self_attn
             x = layer.input_layernorm(hidden)
             q, k, v = self._project_qkv(attention, x)
-            self.keys[index][:, :, start:end] = rotate(k)
-            self.values[index][:, :, start:end] = v
+            self.keys[index].index_copy_(2, positions, rotate(k))
+            self.values[index].index_copy_(2, positions, v)
             attended = F.scaled_dot_product_attention(
                 rotate(q),
-                self.keys[index][:, :, :end],
-                self.values[index][:, :, :end],
-                attn_mask=mask,
-                is_causal=n > 1 and start == 0,
+                self.keys[index][:, :, :key_length],
+                self.values[index][:, :, :key_length],
+                attn_mask=visible,
+                is_causal=visible is None and n > 1,
                 scale=attention.scaling,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )  # [1, heads, n, head_dim]
             hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        self.length = end
-        hidden = inner.norm(hidden[:, -num_logits:])
-        return self.model.get_output_embeddings()(hidden)[0]
+        return hidden
