@@ -99,6 +99,9 @@ MODELS = {
 TARGETS = ("1.5b", "7b", "32b")
 OVERHEAD_KS = (4, 8, 15)
 COMPILED_K = 8
+COMPILE_SECONDS = 120
+"""What a compiled row is given before the time limit: compiling a target's shape and
+capturing its graphs (a guess until a GPU has run it; the row records what it took)."""
 MAX_NEW_TOKENS = 16  # V(n) for n = 1 .. 16: a block of 15 drafted tokens and the last one
 TINY_SHAPE = {
     "hidden_size": 64,
@@ -738,19 +741,35 @@ def kernel_row(
 
 
 class Table:
-    """The rows being made, with the start time and the time limit of the run."""
+    """The rows being made, with the start time and the time limit of the run. After each
+    phase, ``after_phase`` gets the rows so far (the run saves them: a run cut short keeps
+    what it measured)."""
 
-    def __init__(self, time_limit: float) -> None:
+    def __init__(
+        self, time_limit: float, after_phase: Callable[[list[Row]], None] | None = None
+    ) -> None:
         self.time_limit = time_limit
+        self.after_phase = after_phase
         self.started = time.perf_counter()
         self.rows: list[Row] = []
 
-    def phase(self, phase: str, subject: str, work: Callable[[], Row | list[Row]]) -> list[Row]:
+    def phase(
+        self,
+        phase: str,
+        subject: str,
+        work: Callable[[], Row | list[Row]],
+        *,
+        needs: float = 0,
+    ) -> list[Row]:
         """Run one phase and add its rows: a failure is a row with its reason, and a phase
-        that would start past the time limit is skipped."""
+        that would start past the time limit, or end past it by its expected ``needs``
+        seconds, is skipped."""
         elapsed = time.perf_counter() - self.started
-        if elapsed > self.time_limit:
-            rows = [Row(phase, subject, "skipped", f"time limit of {self.time_limit:.0f} s")]
+        if elapsed + needs > self.time_limit:
+            reason = f"time limit of {self.time_limit:.0f} s"
+            if needs:
+                reason += f" (needs about {needs:.0f} s, {elapsed:.0f} s gone)"
+            rows = [Row(phase, subject, "skipped", reason)]
         else:
             log(f"{phase}: {subject} ({elapsed:.0f} s)")
             try:
@@ -762,6 +781,10 @@ class Table:
                 log(f"{phase}: {subject} FAILED: {one_line(error)}")
                 rows = [Row(phase, subject, "failed", one_line(error))]
         self.rows.extend(rows)
+        for row in rows:
+            log(markdown([row]).splitlines()[-1])
+        if self.after_phase is not None:
+            self.after_phase(self.rows)
         return rows
 
     def value(self, rows: list[Row], key: str) -> Any:
@@ -813,7 +836,8 @@ class FirstLook:
         if self.device.type == "cpu" and not args.tiny and {"7b", "32b"} & set(self.targets):
             raise SystemExit("the 7B and 32B shapes need a GPU: pass --tiny on the CPU")
         self.env = environment(self.device, self.dtype, args)
-        self.table = Table(args.time_limit)
+        self.folders = output_folders(args)
+        self.table = Table(args.time_limit, after_phase=self.save)
         self.ks = sorted(set(OVERHEAD_KS) | {entry["k"] for entry in load_tau()})
         self.bandwidth: float | None = None
         self.draft_ms: float | None = None
@@ -841,6 +865,7 @@ class FirstLook:
         )
         self.measure_compiled(self.targets[0])
         env["elapsed_s"] = round(time.perf_counter() - self.table.started, 1)
+        env["complete"] = True
         return env, self.table.rows
 
     def build(self, name: str) -> torch.nn.Module | None:
@@ -871,6 +896,13 @@ class FirstLook:
 
         return guarded
 
+    def save(self, rows: list[Row]) -> None:
+        """Write the rows so far, marked partial until the run has ended."""
+        elapsed = round(time.perf_counter() - self.table.started, 1)
+        env = {**self.env, "elapsed_s": elapsed, "complete": False}
+        for folder in self.folders:
+            write_outputs(folder, env, rows)
+
     def measure_compiled(self, name: str) -> None:
         """The target ``name`` alone and drafting for itself at K=:data:`COMPILED_K` through
         the compiled forward, against the same rows in eager mode; last, as compiling takes
@@ -890,11 +922,15 @@ class FirstLook:
 
             return compiled_row(measure, self.eager.get((name, COMPILED_K)), "round_ms")
 
-        self.table.phase("compiled", f"target {name}, mode target", self.measured(model, alone))
+        needs = 0 if self.args.tiny else COMPILE_SECONDS
+        self.table.phase(
+            "compiled", f"target {name}, mode target", self.measured(model, alone), needs=needs
+        )
         self.table.phase(
             "compiled",
             f"target {name} drafting for itself, FLy K={COMPILED_K}",
             self.measured(model, drafting),
+            needs=needs,
         )
 
     def measure_draft(self) -> None:
@@ -990,11 +1026,17 @@ def write_outputs(folder: Path, env: dict, rows: Sequence[Row]) -> None:
     report = {"script": "benchmarks/gpu_first_look.py", "environment": env}
     report["rows"] = [asdict(row) for row in rows]
     (folder / "gpu_first_look.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    partial = "" if env.get("complete") else " PARTIAL: the rows so far of a run not ended."
     (folder / "gpu_first_look.md").write_text(
         f"# First GPU figures\n\n{env['device_description']}; {describe(env)}; "
-        f"{env['elapsed_s']} s.\n\n{markdown(rows)}\n"
+        f"{env['elapsed_s']} s.{partial}\n\n{markdown(rows)}\n"
     )
-    log(f"wrote {folder}/gpu_first_look.json and .md")
+
+
+def output_folders(args: argparse.Namespace) -> list[Path]:
+    """Where the table is written: ``$OUT`` when set, and ``--output``."""
+    folders = [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
+    return folders + ([args.output] if args.output else [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1012,12 +1054,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--kernel-batches", type=int, help="conformance batches (default 60)")
     args = parser.parse_args(argv)
-    env, rows = FirstLook(args).run()
+    first_look = FirstLook(args)
+    env, rows = first_look.run()
     print(markdown(rows), flush=True)
-    folders = [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
-    folders += [args.output] if args.output else []
-    for folder in folders:
+    for folder in first_look.folders:
         write_outputs(folder, env, rows)
+        log(f"wrote {folder}/gpu_first_look.json and .md")
     failed = [r for r in rows if r.status == "failed"]
     log(f"done in {env['elapsed_s']} s: {len(rows)} rows, {len(failed)} failed")
     return 1 if failed else 0

@@ -52,6 +52,7 @@ def test_the_cpu_form_prints_one_table_and_writes_it_twice(cpu_form):
     assert "\n".join(lines) in (own / "gpu_first_look.md").read_text()
     assert json.loads((own / "gpu_first_look.json").read_text())["rows"] == report["rows"]
     assert report["environment"]["tiny"] is True
+    assert report["environment"]["complete"] is True
 
 
 def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form):
@@ -181,6 +182,28 @@ def test_phases_past_the_time_limit_are_skipped():
     table.phase("model", "7b", lambda: pytest.fail("a phase past the time limit ran"))
     (row,) = table.rows
     assert (row.status, row.result) == ("skipped", "time limit of -1 s")
+
+
+def test_a_phase_that_would_end_past_the_time_limit_is_skipped_and_rows_are_saved_as_made():
+    saved = []
+    table = gpu_first_look.Table(time_limit=60, after_phase=lambda rows: saved.append(len(rows)))
+    ok = gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")
+    table.phase("bandwidth", "copy", lambda: ok, needs=30)
+    table.phase("compiled", "1.5b", lambda: pytest.fail("it would end too late"), needs=90)
+    assert [row.status for row in table.rows] == ["ok", "skipped"]
+    assert table.rows[1].result.startswith("time limit of 60 s (needs about 90 s, ")
+    assert saved == [1, 2]
+
+
+def test_a_run_cut_short_leaves_its_rows_marked_partial(tmp_path):
+    env = {"device_description": "a GPU", "elapsed_s": 12.0, "complete": False}
+    env |= {k: "x" for k in ("dtype", "torch", "transformers", "python", "commit", "date")}
+    env["tiny"] = False
+    rows = [gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")]
+    gpu_first_look.write_outputs(tmp_path, env, rows)
+    assert "PARTIAL" in (tmp_path / "gpu_first_look.md").read_text()
+    gpu_first_look.write_outputs(tmp_path, {**env, "complete": True}, rows)
+    assert "PARTIAL" not in (tmp_path / "gpu_first_look.md").read_text()
 
 
 def test_the_kernel_check_says_why_it_did_not_run(tmp_path, monkeypatch):

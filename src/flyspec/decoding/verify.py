@@ -493,7 +493,7 @@ def verify_sampling(
         return sample_correction(
             target_probs[cut],
             None if draft_probs is None else draft_probs[cut],
-            draft_token=int(draft_tokens[cut]),
+            draft_token=draft_tokens[cut],
             generator=generator,
         )
 
@@ -504,18 +504,19 @@ def sample_correction(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     *,
-    draft_token: int,
+    draft_token: int | torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> int:
     """Sample from ``normalise(max(0, target - draft))`` at a rejected position: ``[V] -> id``.
 
-    ``draft_probs=None`` means a one-hot draft at ``draft_token``.
+    ``draft_probs=None`` means a one-hot draft at ``draft_token`` (an id, or a ``long[]``
+    tensor on the device, which is not read).
     """
     if draft_probs is None:
         residual = target_probs.clone()
         residual[draft_token] = 0.0
     else:
         residual = (target_probs - draft_probs).clamp_min(0.0)
-    if float(residual.sum()) <= 0.0:  # only reachable through rounding
-        residual = target_probs
+    # No residual mass is only reachable through rounding: then the target's own distribution.
+    residual = torch.where(residual.sum() > 0, residual, target_probs)
     return int(torch.multinomial(residual, 1, generator=generator))

@@ -78,7 +78,8 @@ class LeanForward:
     ``compiled``: forwards of up to :data:`COMPILED_MAX_TOKENS` new tokens (a draft step, a
     verified block) run through ``torch.compile``, attending over the whole buffer with a mask
     so that their shapes do not change as the cache fills; on CUDA in mode ``reduce-overhead``,
-    which replays each size as a CUDA graph. Each size compiles on its first use (seconds);
+    which replays each size as a CUDA graph (recorded on its first use). One token and blocks
+    of any size compile once each (seconds to minutes), and again when the buffers grow;
     longer forwards (a prompt) run as in eager mode.
     """
 
@@ -179,6 +180,9 @@ class LeanForward:
         if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
             # Every buffered position, those past the new tokens masked: fixed shapes.
             visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
+            if n > 1:  # one graph for every block size, not a compile per size met
+                for tensor, dim in ((hidden, 1), (positions, 0), (visible, 0)):
+                    torch._dynamo.mark_dynamic(tensor, dim)
             try:
                 hidden = self._compiled_layers(hidden, positions, visible, self.capacity)
             except torch._dynamo.exc.TorchDynamoException as error:
