@@ -96,6 +96,9 @@ class LeanForward:
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
+        # Compared here, not in the compiled layers: compiled for a second model, the head
+        # counts become symbols there, and attention takes only a plain bool.
+        self.grouped_query_attention = self.num_kv_heads != self.num_heads
         self.device = model.model.embed_tokens.weight.device
         self.length = 0
         self.capacity = 0
@@ -233,7 +236,7 @@ class LeanForward:
                 attn_mask=visible,
                 is_causal=visible is None and n > 1,
                 scale=attention.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads,
+                enable_gqa=self.grouped_query_attention,
             )  # [1, heads, n, head_dim]
             hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
