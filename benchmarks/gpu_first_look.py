@@ -44,8 +44,9 @@ The rows, by phase:
   ``benchmarks/vllm_fly_kernels``.
 - ``compiled``: the first target again, alone and drafting for itself at K=8, through the
   compiled forward (``--forward compiled``: ``torch.compile``, CUDA graphs on a GPU), each
-  row's figure against the eager row of the same run, with the graphs compiled and the time
-  the row took with compiling. Last, as compiling takes the longest.
+  row's figure against the eager row of the same run, with the graphs compiled, on CUDA how
+  many ran without a CUDA graph, and the time the row took with compiling. Last, as
+  compiling takes the longest.
 
 Windows of a decode start after its first round, so that neither the prompt's prefill nor the
 first round's start-up counts.
@@ -558,23 +559,29 @@ def compiled_suffix(forward_path: str) -> str:
     return ", compiled" if forward_path == "compiled" else ""
 
 
-def compiled_row(measure: Callable[[str], Row], eager: Row | None, key: str) -> Row:
+def compiled_row(
+    measure: Callable[[str], Row], eager: Row | None, key: str, *, device: torch.device
+) -> Row:
     """``measure`` run on the compiled forward (``torch.compile``; CUDA graphs on a GPU):
-    its row, with the compile time (the first, untimed run of the row's work pays it) and
-    the figure ``key`` against the eager row of the same run."""
-    import torch._dynamo
+    its row, with the compile time (the first, untimed run of the row's work pays it), the
+    graphs compiled and, on CUDA, the compiled graphs inductor ran without a CUDA graph (it
+    says why in its log), and the figure ``key`` against the eager row of the same run."""
+    from torch._dynamo.utils import counters
 
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    def counts() -> tuple[int, int]:
+        return counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+
+    before = counts()
     started = time.perf_counter()
     row = replace(measure("compiled"), phase="compiled")
     row.values["seconds_with_compiling"] = time.perf_counter() - started
-    row.values["graphs_compiled"] = (
-        torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
-    )
-    row.detail += (
-        f"; graphs compiled: {row.values['graphs_compiled']}; the row took "
-        f"{row.values['seconds_with_compiling']:.0f} s with compiling"
-    )
+    graphs, skips = (after - then for after, then in zip(counts(), before, strict=True))
+    row.values["graphs_compiled"] = graphs
+    row.detail += f"; graphs compiled: {graphs}"
+    if device.type == "cuda":
+        row.values["cuda_graphs_skipped"] = skips
+        row.detail += f", run without a CUDA graph: {skips}"
+    row.detail += f"; the row took {row.values['seconds_with_compiling']:.0f} s with compiling"
     if eager is not None and eager.status == "ok" and key in eager.values:
         ratio = row.values[key] / eager.values[key]
         row.values[f"{key}_compiled_over_eager"] = ratio
@@ -914,13 +921,15 @@ class FirstLook:
             def measure(path: str) -> Row:
                 return engine_row(name, m, sizes, bandwidth, role="target", forward_path=path)
 
-            return compiled_row(measure, self.eager.get((name, "engine")), "ms_per_token")
+            eager = self.eager.get((name, "engine"))
+            return compiled_row(measure, eager, "ms_per_token", device=self.device)
 
         def drafting(m: torch.nn.Module) -> Row:
             def measure(path: str) -> Row:
                 return overhead_row(name, m, sizes, COMPILED_K, forward_path=path)
 
-            return compiled_row(measure, self.eager.get((name, COMPILED_K)), "round_ms")
+            eager = self.eager.get((name, COMPILED_K))
+            return compiled_row(measure, eager, "round_ms", device=self.device)
 
         needs = 0 if self.args.tiny else COMPILE_SECONDS
         self.table.phase(
