@@ -106,8 +106,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=cfg.FORWARD_PATHS,
         help="lean: flyspec's own forward with a preallocated KV cache for Llama-family models "
         "(default; other models fall back to transformers'); compiled: the same through "
-        "torch.compile, CUDA graphs on a GPU (each block size compiles on first use; on the CPU "
-        "with --linear default --draft-quant none); or transformers' model(...)",
+        "torch.compile, CUDA graphs on a GPU (compiled on first use; on the CPU only with "
+        "--linear default --draft-quant none); or transformers' model(...)",
     )
 
 
