@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, KernelConfig
@@ -32,12 +33,14 @@ def full_forward_logits(model, tokens, num_logits):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model, compiled):
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (60,), generator=generator).tolist()
+    tokens = torch.randint(0, VOCAB, (300,), generator=generator).tolist()
     lean = LeanForward(model, compiled=compiled)
+    graphs_before = counters["stats"]["unique_graphs"]
     start = 0
     with torch.inference_mode():
-        # 60 tokens in blocks, like prefill + rounds; compiled, the one of 20 runs eagerly.
-        for size in (7, 1, 1, 16, 3, 1, 11, 20):
+        # Blocks like a prefill and rounds; compiled, those over 16 tokens run eagerly, and
+        # the one of 230 grows the buffers past their first 256 positions.
+        for size in (7, 1, 1, 16, 3, 1, 11, 20, 230, 3, 1, 6):
             block = tokens[start : start + size]
             logits = lean.forward(torch.tensor([block]), size)
             start += size
@@ -45,7 +48,9 @@ def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model, compiled)
             # Fused by the compiler, the norms' float32 arithmetic rounds differently.
             tolerance = {"atol": 1e-5, "rtol": 1e-5} if compiled else {}
             torch.testing.assert_close(logits, expected, **tolerance)
-    assert lean.length == 60
+    assert lean.length == 300 and lean.capacity == 512
+    # One graph for a token, one for blocks of every size, whatever the capacity.
+    assert counters["stats"]["unique_graphs"] - graphs_before <= (2 if compiled else 0)
 
 
 def test_a_crop_drops_the_rejected_positions(model):

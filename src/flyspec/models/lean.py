@@ -79,8 +79,8 @@ class LeanForward:
     verified block) run through ``torch.compile``, attending over the whole buffer with a mask
     so that their shapes do not change as the cache fills; on CUDA in mode ``reduce-overhead``,
     which replays each size as a CUDA graph (recorded on its first use). One token and blocks
-    of any size compile once each (seconds to minutes), and again when the buffers grow;
-    longer forwards (a prompt) run as in eager mode.
+    of any size compile once each for a model's shapes (seconds to minutes), whatever the
+    buffers' capacity; longer forwards (a prompt) run as in eager mode.
     """
 
     context_length = None
@@ -183,11 +183,9 @@ class LeanForward:
         if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
             # Every buffered position, those past the new tokens masked: fixed shapes.
             visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
-            if n > 1:  # one graph for every block size, not a compile per size met
-                for tensor, dim in ((hidden, 1), (positions, 0), (visible, 0)):
-                    torch._dynamo.mark_dynamic(tensor, dim)
+            self._mark_dynamic(hidden, positions, visible)
             try:
-                hidden = self._compiled_layers(hidden, positions, visible, self.capacity)
+                hidden = self._compiled_layers(hidden, positions, visible, None)
             except torch._dynamo.exc.TorchDynamoException as error:
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 raise FlyspecError(
@@ -204,17 +202,31 @@ class LeanForward:
         hidden = self.model.model.norm(hidden[:, -num_logits:])
         return self.model.get_output_embeddings()(hidden)[0]
 
+    def _mark_dynamic(
+        self, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    ) -> None:
+        """Let the compiled layers take any capacity and, beyond one token, any block size:
+        a graph for one token and one for blocks, not one per size met (each model compiles
+        its own, within dynamo's limit of recompilations per function)."""
+        sized = [(visible, 1), *((t, 2) for t in (*self.keys, *self.values))]
+        sized += [(self.cos, 0), (self.sin, 0)]
+        if hidden.shape[1] > 1:
+            sized += [(hidden, 1), (positions, 0), (visible, 0)]
+        for tensor, dim in sized:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
     def _layers(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
         visible: torch.Tensor | None,
-        key_length: int,
+        key_length: int | None,
     ) -> torch.Tensor:
         """The decoder layers over the new tokens' ``hidden`` states ``[1, n, D]`` at
         ``positions`` ``long[n]``: their keys and values go into the buffers, and each attends
-        to the first ``key_length`` buffered positions where ``visible`` ``bool[n,
-        key_length]`` allows (None: causally, which on an empty cache is the same)."""
+        to the first ``key_length`` buffered positions (None: all of them) where ``visible``
+        ``bool[n, key_length]`` allows (None: causally, which on an empty cache is the
+        same)."""
         n = hidden.shape[1]
         cos = self.cos[positions]  # [n, head_dim], broadcast over [1, heads, n, head_dim]
         sin = self.sin[positions]
