@@ -560,10 +560,10 @@ def compiled_suffix(forward_path: str) -> str:
 
 
 def compiled_row(
-    measure: Callable[[str], Row], eager: Row | None, key: str, *, device: torch.device
+    measure: Callable[[], Row], eager: Row | None, key: str, *, device: torch.device
 ) -> Row:
-    """``measure`` run on the compiled forward (``torch.compile``; CUDA graphs on a GPU):
-    its row, with the compile time (the first, untimed run of the row's work pays it), the
+    """``measure``'s row, made on the compiled forward (``torch.compile``; CUDA graphs on a
+    GPU), with the compile time (the first, untimed run of the row's work pays it), the
     graphs compiled and, on CUDA, the compiled graphs inductor ran without a CUDA graph (it
     says why in its log), and the figure ``key`` against the eager row of the same run."""
     from torch._dynamo.utils import counters
@@ -573,7 +573,7 @@ def compiled_row(
 
     before = counts()
     started = time.perf_counter()
-    row = replace(measure("compiled"), phase="compiled")
+    row = replace(measure(), phase="compiled")
     row.values["seconds_with_compiling"] = time.perf_counter() - started
     graphs, skips = (after - then for after, then in zip(counts(), before, strict=True))
     row.values["graphs_compiled"] = graphs
@@ -918,18 +918,22 @@ class FirstLook:
         sizes, bandwidth = self.sizes, self.bandwidth
 
         def alone(m: torch.nn.Module) -> Row:
-            def measure(path: str) -> Row:
-                return engine_row(name, m, sizes, bandwidth, role="target", forward_path=path)
-
-            eager = self.eager.get((name, "engine"))
-            return compiled_row(measure, eager, "ms_per_token", device=self.device)
+            return compiled_row(
+                lambda: engine_row(
+                    name, m, sizes, bandwidth, role="target", forward_path="compiled"
+                ),
+                self.eager.get((name, "engine")),
+                "ms_per_token",
+                device=self.device,
+            )
 
         def drafting(m: torch.nn.Module) -> Row:
-            def measure(path: str) -> Row:
-                return overhead_row(name, m, sizes, COMPILED_K, forward_path=path)
-
-            eager = self.eager.get((name, COMPILED_K))
-            return compiled_row(measure, eager, "round_ms", device=self.device)
+            return compiled_row(
+                lambda: overhead_row(name, m, sizes, COMPILED_K, forward_path="compiled"),
+                self.eager.get((name, COMPILED_K)),
+                "round_ms",
+                device=self.device,
+            )
 
         needs = 0 if self.args.tiny else COMPILE_SECONDS
         self.table.phase(

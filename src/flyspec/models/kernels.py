@@ -7,6 +7,7 @@ weight quantisation. :meth:`flyspec.engine.Engine.load` applies them as its
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -242,12 +243,8 @@ def check_target_quant(target_quant: str, dtype: torch.dtype) -> None:
 def check_compiled_forward(kernels: KernelConfig) -> None:
     """FlyspecError where the compiled forward would meet the CPU kernels, which
     ``torch.compile`` cannot lower: it compiles torch's own layers."""
-    plain = (kernels.linear, kernels.draft_quant, kernels.target_quant) == (
-        "default",
-        "none",
-        "none",
-    )
-    if kernels.forward == "compiled" and not plain:
+    plain = KernelConfig.plain()
+    if kernels.forward == "compiled" and replace(kernels, forward=plain.forward) != plain:
         raise FlyspecError(
             "the compiled forward compiles torch's own layers, not the CPU kernels: add "
             "--linear default --draft-quant none --target-quant none, or use --forward lean"
@@ -271,7 +268,7 @@ def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
         "target": (engine.target_model, target_quant),
     }
     for role, (model, quant) in roles.items():
-        if not _on_cpu(model):
+        if model is None or next(model.parameters()).device.type != "cpu":
             done[f"{role}_packed_layers"] = 0
             continue
         dtype = next(model.parameters()).dtype
@@ -288,7 +285,3 @@ def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
         done[f"{role}_packed_layers"] = pack_linear_layers(model) if linear == "onednn" else 0
     engine.kernels = {**engine.kernels, **done}
     return engine.kernels
-
-
-def _on_cpu(model: torch.nn.Module | None) -> bool:
-    return model is not None and next(model.parameters()).device.type == "cpu"

@@ -105,7 +105,6 @@ class LeanForward:
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)  # [capacity, head_dim]
-        self.compiled = compiled
         self.forward_path = "compiled" if compiled else "lean"
         self._compiled_layers = None
         if compiled:
@@ -145,8 +144,11 @@ class LeanForward:
                 buffer = torch.zeros(shape, dtype=like.dtype, device=self.device)
                 if index < len(old) and kept:
                     buffer[:, :, :kept] = old[index][:, :, :kept]
-                if self.compiled:  # updated in place by the CUDA graphs, which keep its address
+                if self._compiled_layers is not None:
+                    # Updated in place by the CUDA graphs, which keep its address; any
+                    # capacity runs the same graph.
                     torch._dynamo.mark_static_address(buffer)
+                    torch._dynamo.maybe_mark_dynamic(buffer, 2)
                 buffers.append(buffer)
             return buffers
 
@@ -154,6 +156,9 @@ class LeanForward:
         positions = torch.arange(capacity, device=self.device)[None]
         cos, sin = self.model.model.rotary_emb(like, positions)
         self.cos, self.sin = cos[0], sin[0]
+        if self._compiled_layers is not None:
+            torch._dynamo.maybe_mark_dynamic(self.cos, 0)
+            torch._dynamo.maybe_mark_dynamic(self.sin, 0)
         self.capacity = capacity
 
     def _project_qkv(
@@ -205,11 +210,11 @@ class LeanForward:
     def _mark_dynamic(
         self, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
     ) -> None:
-        """Let the compiled layers take any capacity and, beyond one token, any block size:
-        a graph for one token and one for blocks, not one per size met (each model compiles
-        its own, within dynamo's limit of recompilations per function)."""
-        sized = [(visible, 1), *((t, 2) for t in (*self.keys, *self.values))]
-        sized += [(self.cos, 0), (self.sin, 0)]
+        """Let the compiled layers take this forward's inputs at any capacity and, beyond
+        one token, any block size (the buffers are marked when made): a graph for one token
+        and one for blocks, not one per size met, within dynamo's limit of recompilations
+        per function."""
+        sized = [(visible, 1)]
         if hidden.shape[1] > 1:
             sized += [(hidden, 1), (positions, 0), (visible, 0)]
         for tensor, dim in sized:
