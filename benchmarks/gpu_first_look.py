@@ -694,13 +694,26 @@ def projection_rows(
                 "ok",
                 result,
                 f"PROJECTED, not measured: d/V(1) {costed['draft_to_target']:.2f}, "
-                f"V({k + 1})/V(1) {costed['measured_ratio']:.2f}, breaks even at "
-                f"V({k + 1})/V(1) <= {costed['break_even_ratio']:.2f}; tau of the default pair "
-                f"on a CPU{assumed}",
+                f"V({k + 1})/V(1) {costed['measured_ratio']:.2f}, "
+                f"{break_even_text(k, tau, costed['draft_to_target'])}; tau of the default "
+                f"pair on a CPU{assumed}",
                 values,
             )
         )
     return rows
+
+
+def break_even_text(k: int, tau: float, draft_to_target: float) -> str:
+    """Where a round of ``k`` drafts committing ``tau`` tokens breaks even
+    (``V(K+1)/V(1) <= tau - K * d/V(1)``), or why it cannot: a verify forward costs at least
+    a one-token one, so a bound under 1 is out of reach."""
+    needed = tau - k * draft_to_target
+    if needed >= 1:
+        return f"breaks even at V({k + 1})/V(1) <= {needed:.2f}"
+    return (
+        f"cannot break even: its {k} drafts cost {k * draft_to_target:.2f} V(1) and the verify "
+        f"at least V(1), for {tau} tokens"
+    )
 
 
 def kernel_row(

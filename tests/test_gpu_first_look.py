@@ -156,6 +156,15 @@ def test_projections_follow_break_even_from_the_measured_costs_and_tau(cpu_form)
         assert row["detail"].startswith("PROJECTED, not measured")
 
 
+def test_a_projection_out_of_reach_says_so_rather_than_a_bound_under_one():
+    assert gpu_first_look.break_even_text(8, 6.96, 0.5) == "breaks even at V(9)/V(1) <= 2.96"
+    text = gpu_first_look.break_even_text(8, 6.96, 0.8)  # needs 0.56: under one V(1)
+    assert text == (
+        "cannot break even: its 8 drafts cost 6.40 V(1) and the verify at least V(1), "
+        "for 6.96 tokens"
+    )
+
+
 def test_a_failed_phase_is_a_row_with_its_reason_and_the_next_phase_runs():
     table = gpu_first_look.Table(time_limit=600)
 

@@ -175,6 +175,11 @@ class LanguageModel(Protocol):
         continues the tokens last given, without reading it back from the device."""
         ...
 
+    def record_steps(self, tokens: Sequence[int]) -> None:
+        """The ids of the tokens :meth:`step` was fed since they were last read, as the caller
+        read them back: the record of the cache then needs no read of its own."""
+        ...
+
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
         ...
@@ -257,11 +262,21 @@ class CachedLM:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[V]`` for the token after ``token`` ``long[1]`` (on :attr:`device`), which
         continues the tokens last given: a drafter's one-token step. The token stays on the
-        device, unread until :attr:`cached_tokens` is next needed, so that a block of steps
-        costs no host synchronisation per token."""
+        device, unread until :attr:`cached_tokens` is next needed (or the caller gives the ids it
+        read, :meth:`record_steps`), so that a block of steps costs no host synchronisation
+        per token."""
         if not self._tokens and not self._unread:
             raise ValueError("step() continues a sequence: call logits() first")
         self._unread.append(token.reshape(1))
         logits = self.runner.forward(token.reshape(1, 1), 1)
         self.forward_calls += 1
         return logits[0]
+
+    def record_steps(self, tokens: Sequence[int]) -> None:
+        """The ids of the tokens :meth:`step` was fed since they were last read, as the caller
+        read them back (a drafter reads its block anyway): the record of the cache then needs
+        no read of its own at the next :meth:`logits`."""
+        if len(tokens) != len(self._unread):
+            raise ValueError(f"{len(self._unread)} stepped tokens are unread, {len(tokens)} given")
+        self._tokens += tokens
+        self._unread = []

@@ -62,7 +62,9 @@ class ModelDrafter:
                 break
         chosen_tokens = torch.cat(chosen)  # long[n]
         confidence = token_confidence(torch.stack(rows), chosen_tokens)  # float[n]
-        tokens = through_end(chosen_tokens.tolist(), self.end_tokens)  # the block's one read
+        read = chosen_tokens.tolist()  # the block's one read
+        self.lm.record_steps(read[:-1])  # the steps fed all but the last
+        tokens = through_end(read, self.end_tokens)
         return Draft(
             tokens=torch.tensor(tokens, dtype=torch.long),
             probs=torch.stack(probs[: len(tokens)]) if probs else None,
