@@ -21,6 +21,13 @@ The rows, by phase:
 - ``model``: each random model built, the bytes a one-token forward reads (every weight but the
   input embedding table, plus the KV cache of the context), and a check that its logits are
   finite.
+- ``same tokens``: every drafter and rule on the device, in float32, with the draft and the
+  1.5B-shaped target (seeded apart) and a prompt that repeats itself: exact SPD with the draft
+  model, with the target drafting for itself, with n-gram drafting and with the target's own
+  answer as the prediction must each give the target alone's greedy tokens (where one does
+  not, the row fails with the target's top-2 logit margin at the first difference: a near tie
+  can flip between forwards of different sizes); FLy with the draft model, with MLA, with
+  ``-k auto`` and sampled only have to run.
 - ``forward cost``: ``V(n)``, the target's forward over n = 1..16 new tokens after 300
   cached ones (24 in the tiny form) through flyspec's lean forward
   (:func:`flyspec.bench.forward_cost.measure_forward_cost`, the device waited for around each
@@ -80,7 +87,7 @@ ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from flyspec.bench.forward_cost import measure_forward_cost  # noqa: E402
-from flyspec.config import DecodeConfig  # noqa: E402
+from flyspec.config import DecodeConfig, SamplingConfig  # noqa: E402
 from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
@@ -100,6 +107,8 @@ MODELS = {
 TARGETS = ("1.5b", "7b", "32b")
 OVERHEAD_KS = (4, 8, 15)
 COMPILED_K = 8
+SAME_TOKENS_TARGET = "1.5b"
+SAME_TOKENS_K = 8
 COMPILE_SECONDS = 120
 """What a compiled row is given before the time limit: compiling a target's shape and
 capturing its graphs (a guess until a GPU has run it; the row records what it took)."""
@@ -128,6 +137,7 @@ class Sizes:
     copy_bytes: int
     kernel_batches: int
     kernel_vocab: int
+    same_tokens: int
 
 
 FULL = Sizes(
@@ -140,6 +150,7 @@ FULL = Sizes(
     copy_bytes=4 << 30,
     kernel_batches=60,
     kernel_vocab=151936,
+    same_tokens=48,
 )
 TINY = Sizes(
     context=24,
@@ -151,6 +162,7 @@ TINY = Sizes(
     copy_bytes=16 << 20,
     kernel_batches=9,
     kernel_vocab=64,
+    same_tokens=24,
 )
 
 
@@ -423,12 +435,13 @@ def load_config(name: str, *, tiny: bool):
     return AutoConfig.from_pretrained(CONFIGS / MODELS[name], **(TINY_SHAPE if tiny else {}))
 
 
-def build_model(config, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(config, *, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """A random-weight causal LM of ``config``, created on ``device`` in ``dtype`` (transformers'
-    own initialisation: normal weights of std ``initializer_range``, unit norms)."""
+    own initialisation: normal weights of std ``initializer_range``, unit norms) from
+    ``seed`` (models of one shape, as in the tiny form, differ by their seeds)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
@@ -642,6 +655,105 @@ def overhead_row(
         f"{window.kept}/{window.drafted} drafted kept; host syncs per round: "
         f"{sync_text(device, syncs)}; "
         f"{window.rounds} rounds after the first",
+        values,
+    )
+
+
+@dataclass(frozen=True)
+class SameTokensCase:
+    """A decode to compare with the target alone. ``draft``: the draft model drafts
+    (``"draft"``), the target drafts for itself (``"self"``), or no model drafts (None);
+    ``prediction``: the target's own answer is given as the request's prediction;
+    ``lossless``: exact verification, which must give the target's tokens (else the decode
+    only has to run: FLy keeps loose tokens, a sampled one draws)."""
+
+    subject: str
+    config: DecodeConfig
+    draft: str | None = "draft"
+    prediction: bool = False
+    lossless: bool = True
+
+
+def same_tokens_cases(k: int) -> list[SameTokensCase]:
+    """Each drafter and rule of the engine once: exact SPD (lossless) with the draft model,
+    the target drafting for itself (every block kept), n-gram drafting and a prediction;
+    FLy with the draft model, MLA, -k auto and sampling."""
+    exact, fly = DecodeConfig(mode="spd", k=k), DecodeConfig(mode="fly", k=k)
+    sampled = SamplingConfig(temperature=0.8, seed=0)
+    return [
+        SameTokensCase(f"spd K={k}, the draft model drafting", exact),
+        SameTokensCase(f"spd K={k}, the target drafting for itself", exact, draft="self"),
+        SameTokensCase(
+            f"spd K={k}, n-gram drafting", exact.with_updates(drafter="ngram"), draft=None
+        ),
+        SameTokensCase(
+            f"spd K={k}, the target's own answer as the prediction", exact, prediction=True
+        ),
+        SameTokensCase(f"fly K={k}, the draft model drafting", fly, lossless=False),
+        SameTokensCase(f"fly K={k}, MLA drafting", fly.with_updates(drafter="mla"), lossless=False),
+        SameTokensCase(f"fly -k auto, K up to {k}", fly.with_updates(auto_k=True), lossless=False),
+        SameTokensCase(
+            f"fly K={k}, sampled at T=0.8", fly.with_updates(sampling=sampled), lossless=False
+        ),
+    ]
+
+
+def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The index of the first token that differs (a missing one counts), None if none does."""
+    for index, expected in enumerate(reference):
+        if index >= len(tokens) or tokens[index] != expected:
+            return index
+    return None if len(tokens) == len(reference) else len(reference)
+
+
+def same_tokens_row(
+    case: SameTokensCase,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompt: list[int],
+    reference: list[int],
+) -> Row:
+    """``case`` decoded on the device, its tokens against ``reference``, the target's greedy
+    answer to ``prompt``; where an exact decode differs, the target's margin between its two
+    most likely tokens there (a near tie can flip between forwards of different sizes)."""
+    drafting = {"draft": draft, "self": target, None: None}[case.draft]
+    decoder = SpeculativeDecoder(target, drafting)
+    stats = RequestStats()
+    config = case.config.with_updates(max_new_tokens=len(reference))
+    events = decoder.stream(
+        prompt, config, stats=stats, prediction=reference if case.prediction else None
+    )
+    tokens = [event.token for event in events]
+    differs = first_difference(tokens, reference)
+    same = len(reference) if differs is None else differs
+    values = {
+        "tokens": len(tokens),
+        "same_as_target": same,
+        "rounds": stats.num_rounds,
+        "tau": stats.tau,
+        "drafted": stats.drafted,
+        "kept_exactly": stats.accepted,
+        "kept_loosely": stats.loosely_accepted,
+    }
+    detail = (
+        f"{stats.num_rounds} rounds, tau {stats.tau:.2f}; of {stats.drafted} drafted, "
+        f"{stats.accepted} kept exactly, {stats.loosely_accepted} loosely"
+    )
+    if not case.lossless:
+        result = f"ran: {len(tokens)} tokens, the first {same} as the greedy target's"
+        return Row("same tokens", case.subject, "ok", result, detail, values)
+    if differs is None:
+        result = f"{same}/{len(reference)} tokens as the target alone"
+        return Row("same tokens", case.subject, "ok", result, detail, values)
+    logits = CachedLM(target).logits(prompt + reference[:differs], 1)[0]
+    top = logits.float().topk(2).values.tolist()
+    values["target_top2_margin"] = top[0] - top[1]
+    return Row(
+        "same tokens",
+        case.subject,
+        "failed",
+        f"differs from the target alone at token {differs + 1} of {len(reference)}",
+        f"{detail}; the target's top-2 logit margin there {top[0] - top[1]:.2g}",
         values,
     )
 
@@ -875,6 +987,8 @@ class FirstLook:
         )
         self.bandwidth = self.table.value(rows, "bytes_per_second")
         self.measure_draft()
+        self.check_same_tokens()
+        release_memory(self.device)
         for name in self.targets:
             self.measure_target(name)
             release_memory(self.device)
@@ -888,18 +1002,24 @@ class FirstLook:
         env["complete"] = True
         return env, self.table.rows
 
-    def build(self, name: str) -> torch.nn.Module | None:
-        """Model ``name`` on the device, or None (its row says why)."""
+    def build(self, name: str, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
+        """Model ``name`` on the device, in ``dtype`` (default: the run's), or None (its row
+        says why)."""
         built: list[torch.nn.Module] = []
+        dtype = dtype or self.dtype
 
         def work() -> Row:
             started = time.perf_counter()
             config = load_config(name, tiny=self.args.tiny)
-            built.append(build_model(config, device=self.device, dtype=self.dtype))
+            seed = list(MODELS).index(name)
+            built.append(build_model(config, device=self.device, dtype=dtype, seed=seed))
             wait_for_device(self.device)
             return model_row(name, built[0], self.sizes.context, time.perf_counter() - started)
 
-        if self.table.phase("model", f"{name} ({MODELS[name]})", work)[0].status != "ok":
+        subject = f"{name} ({MODELS[name]})"
+        if dtype != self.dtype:
+            subject += f", {str(dtype).removeprefix('torch.')}"
+        if self.table.phase("model", subject, work)[0].status != "ok":
             built.clear()
             release_memory(self.device)
         return built[0] if built else None
@@ -922,6 +1042,38 @@ class FirstLook:
         env = {**self.env, "elapsed_s": elapsed, "complete": False}
         for folder in self.folders:
             write_outputs(folder, env, rows)
+
+    def check_same_tokens(self) -> None:
+        """Every drafter and rule on the device, in float32 (where forwards of different
+        sizes agree closely enough that exact decoding must give the target's tokens): the
+        draft and the :data:`SAME_TOKENS_TARGET` target, a prompt that repeats itself (so that
+        n-gram drafting and MLA find matches), each case of :func:`same_tokens_cases` against
+        the target alone."""
+        draft = self.build(DRAFT, dtype=torch.float32)
+        target = self.build(SAME_TOKENS_TARGET, dtype=torch.float32)
+        reference: list[int] = []
+        prompt = [] if target is None else random_prompt(target.config.vocab_size, 16) * 4
+
+        def greedy() -> Row:
+            if draft is None or target is None:
+                raise PhaseSkipped("the models were not built")
+            decoder = SpeculativeDecoder(target)
+            config = DecodeConfig(mode="target", max_new_tokens=self.sizes.same_tokens)
+            reference.extend(event.token for event in decoder.stream(prompt, config))
+            result = f"{len(reference)} tokens after a prompt of {len(prompt)}"
+            return Row("same tokens", "the target alone, greedy", "ok", result)
+
+        def case_row(case: SameTokensCase) -> Callable[[], Row]:
+            def work() -> Row:
+                if not reference:
+                    raise PhaseSkipped("no answer of the target alone to compare with")
+                return same_tokens_row(case, target, draft, prompt, reference)
+
+            return work
+
+        self.table.phase("same tokens", "the target alone, greedy", greedy)
+        for case in same_tokens_cases(SAME_TOKENS_K):
+            self.table.phase("same tokens", case.subject, case_row(case))
 
     def measure_compiled(self, name: str) -> None:
         """The target ``name`` alone and drafting for itself at K=:data:`COMPILED_K` through

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny import make_tiny_model
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_first_look.py"
 _SPEC = importlib.util.spec_from_file_location("gpu_first_look", _PATH)
 gpu_first_look = importlib.util.module_from_spec(_SPEC)
@@ -63,7 +65,8 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
     assert counts == {
         "device": 1,
         "bandwidth": 1,
-        "model": 5,  # the first target is built again for the compiled rows
+        "model": 7,  # float32 draft and target for the same tokens; the compiled rows' target
+        "same tokens": 1 + 8,
         "forward cost": 4,
         "engine alone": 4,
         "loop overhead": 3 * len(OVERHEAD_KS),
@@ -103,6 +106,56 @@ def test_costs_engine_and_loop_rows_hold_consistent_figures(cpu_form):
         )
         assert 1 <= values["tokens_per_round"] <= values["k"] + 1
         assert values["rounds"] >= 1
+
+
+def test_exact_decodes_give_the_target_alone_tokens_and_the_others_run(cpu_form):
+    _, report, _ = cpu_form
+    greedy, *cases = rows_of(report, "same tokens")
+    assert greedy["subject"] == "the target alone, greedy"
+    lossless = [row for row in cases if row["subject"].startswith("spd")]
+    assert len(lossless) == 4 and len(cases) == 8
+    for row in cases:
+        values = row["values"]
+        assert values["tokens"] == gpu_first_look.TINY.same_tokens
+        if row in lossless:
+            assert values["same_as_target"] == values["tokens"]
+            assert row["result"] == "24/24 tokens as the target alone"
+        else:
+            assert row["result"].startswith("ran: 24 tokens")
+    by_subject = {row["subject"]: row["values"] for row in cases}
+    # The seeded draft differs from the target: its blocks are rejected, the rejection path
+    # runs; the target drafting for itself and its own answer as the prediction keep all.
+    assert by_subject["spd K=8, the draft model drafting"]["kept_exactly"] == 0
+    for subject in ("the target drafting for itself", "the target's own answer as the prediction"):
+        values = by_subject[f"spd K=8, {subject}"]
+        assert values["kept_exactly"] == values["drafted"] > 0
+
+
+def test_an_exact_decode_that_differs_fails_with_the_target_margin_there():
+    target, other = make_tiny_model(vocab_size=64, seed=3), make_tiny_model(vocab_size=64, seed=4)
+    case = gpu_first_look.SameTokensCase(
+        "spd", gpu_first_look.DecodeConfig(mode="spd", k=4), draft="self"
+    )
+    prompt = [5, 6, 7, 8]
+    wrong = [
+        event.token
+        for event in gpu_first_look.SpeculativeDecoder(other).stream(
+            prompt, gpu_first_look.DecodeConfig(mode="target", max_new_tokens=8)
+        )
+    ]
+    row = gpu_first_look.same_tokens_row(case, target, target, prompt, wrong)
+    assert row.status == "failed"
+    differs = row.values["same_as_target"]
+    assert row.result == f"differs from the target alone at token {differs + 1} of 8"
+    assert row.values["target_top2_margin"] > 0
+    assert "top-2 logit margin there" in row.detail
+
+
+def test_first_difference_counts_a_missing_token():
+    assert gpu_first_look.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert gpu_first_look.first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert gpu_first_look.first_difference([1, 2], [1, 2, 3]) == 2
+    assert gpu_first_look.first_difference([1, 2, 3, 4], [1, 2, 3]) == 3
 
 
 def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
