@@ -52,7 +52,8 @@ The rows, by phase:
 - ``compiled``: the first target again, alone and drafting for itself at K=8, through the
   compiled forward (``--forward compiled``: ``torch.compile``, CUDA graphs on a GPU), each
   row's figure against the eager row of the same run, with the graphs compiled, on CUDA how
-  many ran without a CUDA graph, and the time the row took with compiling. Last, as
+  many ran without a CUDA graph, the time the row took with compiling, and how many of its
+  tokens are the eager decode's (told, not failed: compiling reorders the arithmetic). Last, as
   compiling takes the longest.
 
 Windows of a decode start after its first round, so that neither the prompt's prefill nor the
@@ -353,8 +354,9 @@ def sync_counter(device: torch.device) -> Iterator[Callable[[], int] | None]:
 @dataclass(frozen=True)
 class Window:
     """A decode from the end of its first round to its last token: wall seconds, the device
-    seconds of the forwards issued in it, its rounds, tokens, drafted and kept tokens, and the
-    host synchronisations counted in it (None: not counted)."""
+    seconds of the forwards issued in it, its rounds, tokens, drafted and kept tokens, the
+    host synchronisations counted in it (None: not counted), and the ids of every token the
+    decode gave, the first round's included."""
 
     seconds: float
     forward_seconds: float
@@ -363,6 +365,7 @@ class Window:
     drafted: int
     kept: int
     syncs: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 def decode_window(
@@ -381,9 +384,11 @@ def decode_window(
     for runner in runners:
         runner.records.clear()
     marks: list[tuple[int, float, int]] = []  # (rounds so far, time, syncs so far) per token
+    token_ids: list[int] = []
     with sync_counter(device if count_syncs else torch.device("cpu")) as syncs:
-        for _event in decoder.stream(prompt, config, stats=stats):
+        for event in decoder.stream(prompt, config, stats=stats):
             marks.append((stats.num_rounds, time.perf_counter(), syncs() if syncs else 0))
+            token_ids.append(event.token)
     wait_for_device(device)
     first = max(i for i, (rounds, _, _) in enumerate(marks) if rounds == 1)
     if first == len(marks) - 1:
@@ -398,6 +403,7 @@ def decode_window(
         drafted=sum(r.drafted for r in later),
         kept=sum(r.accepted + r.loosely_accepted for r in later),
         syncs=marks[-1][2] - marks[first][2] if syncs is not None else None,
+        token_ids=tuple(token_ids),
     )
 
 
@@ -547,6 +553,7 @@ def engine_row(
         "loop_ms_per_token": 1000 * (per_token - forwards),
         "syncs_per_token": syncs,
         "tokens": window.tokens,
+        "token_ids": list(window.token_ids),
     }
     bound = ""
     if bandwidth:
@@ -599,7 +606,19 @@ def compiled_row(
         ratio = row.values[key] / eager.values[key]
         row.values[f"{key}_compiled_over_eager"] = ratio
         row.result += f"; compiled/eager {ratio:.2f}"
+        row.detail += "; " + same_as_eager(row.values, eager.values["token_ids"])
     return row
+
+
+def same_as_eager(values: dict[str, Any], eager_ids: Sequence[int]) -> str:
+    """How many of the compiled decode's tokens (``values["token_ids"]``) are the eager one's,
+    recorded in ``values``: information, not a failure, as compiling reorders the arithmetic
+    (in bfloat16 a near tie can flip)."""
+    differs = first_difference(values["token_ids"], eager_ids)
+    values["same_as_eager"] = len(eager_ids) if differs is None else differs
+    if differs is None:
+        return f"the same {len(eager_ids)} tokens as eager"
+    return f"the eager decode's tokens up to token {differs + 1} of {len(eager_ids)}"
 
 
 def sync_text(device: torch.device, syncs: float | None) -> str:
@@ -644,6 +663,7 @@ def overhead_row(
         "kept_fraction": window.kept / window.drafted if window.drafted else None,
         "syncs_per_round": syncs,
         "rounds": window.rounds,
+        "token_ids": list(window.token_ids),
     }
     return Row(
         "loop overhead",

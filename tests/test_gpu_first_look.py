@@ -177,6 +177,17 @@ def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
         )
         assert row["values"]["seconds_with_compiling"] > 0
         assert row["values"]["graphs_compiled"] >= 0
+        # float32 on the CPU: compiled and eager decodes give the same tokens.
+        ids = eager["values"]["token_ids"]
+        assert row["values"]["token_ids"] == ids and row["values"]["same_as_eager"] == len(ids)
+        assert f"the same {len(ids)} tokens as eager" in row["detail"]
+
+
+def test_a_compiled_decode_that_differs_is_told_not_failed():
+    values = {"token_ids": [1, 2, 7, 4]}
+    text = gpu_first_look.same_as_eager(values, [1, 2, 3, 4])
+    assert text == "the eager decode's tokens up to token 3 of 4"
+    assert values["same_as_eager"] == 2
 
 
 def test_projections_follow_break_even_from_the_measured_costs_and_tau(cpu_form):
