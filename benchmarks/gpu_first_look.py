@@ -92,7 +92,13 @@ from flyspec.config import DecodeConfig, SamplingConfig  # noqa: E402
 from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
-from flyspec.models.cache import CachedLM, ForwardRunner, make_forward  # noqa: E402
+from flyspec.errors import error_line  # noqa: E402
+from flyspec.models.cache import (  # noqa: E402
+    CachedLM,
+    ForwardRunner,
+    common_prefix_length,
+    make_forward,
+)
 from flyspec.support.machine import git_commit  # noqa: E402
 
 CONFIGS = BENCHMARKS / "gpu_configs"
@@ -186,12 +192,6 @@ class PhaseSkipped(Exception):
 
 def log(message: str) -> None:
     print(f"[gpu_first_look] {message}", file=sys.stderr, flush=True)
-
-
-def one_line(error: BaseException) -> str:
-    """The error's type and the first line of its message, at most 200 characters."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
 
 
 def release_memory(device: torch.device) -> None:
@@ -614,11 +614,11 @@ def same_as_eager(values: dict[str, Any], eager_ids: Sequence[int]) -> str:
     """How many of the compiled decode's tokens (``values["token_ids"]``) are the eager one's,
     recorded in ``values``: information, not a failure, as compiling reorders the arithmetic
     (in bfloat16 a near tie can flip)."""
-    differs = first_difference(values["token_ids"], eager_ids)
-    values["same_as_eager"] = len(eager_ids) if differs is None else differs
-    if differs is None:
+    ids = values["token_ids"]
+    same = values["same_as_eager"] = common_prefix_length(ids, eager_ids)
+    if list(ids) == list(eager_ids):
         return f"the same {len(eager_ids)} tokens as eager"
-    return f"the eager decode's tokens up to token {differs + 1} of {len(eager_ids)}"
+    return f"the eager decode's tokens up to token {same + 1} of {len(eager_ids)}"
 
 
 def sync_text(device: torch.device, syncs: float | None) -> str:
@@ -718,14 +718,6 @@ def same_tokens_cases(k: int) -> list[SameTokensCase]:
     ]
 
 
-def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
-    """The index of the first token that differs (a missing one counts), None if none does."""
-    for index, expected in enumerate(reference):
-        if index >= len(tokens) or tokens[index] != expected:
-            return index
-    return None if len(tokens) == len(reference) else len(reference)
-
-
 def same_tokens_row(
     case: SameTokensCase,
     target: torch.nn.Module,
@@ -744,8 +736,8 @@ def same_tokens_row(
         prompt, config, stats=stats, prediction=reference if case.prediction else None
     )
     tokens = [event.token for event in events]
-    differs = first_difference(tokens, reference)
-    same = len(reference) if differs is None else differs
+    same = common_prefix_length(tokens, reference)
+    differs = None if tokens == reference else same
     values = {
         "tokens": len(tokens),
         "same_as_target": same,
@@ -930,8 +922,9 @@ class Table:
             except PhaseSkipped as skipped:
                 rows = [Row(phase, subject, "skipped", str(skipped))]
             except Exception as error:  # every failure is reported and the run goes on
-                log(f"{phase}: {subject} FAILED: {one_line(error)}")
-                rows = [Row(phase, subject, "failed", one_line(error))]
+                reason = error_line(error, limit=200)
+                log(f"{phase}: {subject} FAILED: {reason}")
+                rows = [Row(phase, subject, "failed", reason)]
         self.rows.extend(rows)
         for row in rows:
             log(markdown([row]).splitlines()[-1])

@@ -53,3 +53,11 @@ def test_the_defaults_are_valid():
     assert (config.mode, config.k, config.fly.window, config.fly.theta) == ("fly", 15, 6, 0.3)
     assert KernelConfig() == KernelConfig("onednn", "int8", "none", "lean")
     assert KernelConfig.plain() == KernelConfig("default", "none", "none", "transformers")
+
+
+def test_another_librarys_error_is_told_in_one_line():
+    from flyspec.errors import error_line
+
+    assert error_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
+    assert error_line(ValueError("abcdef"), limit=3) == "ValueError: abc"
+    assert error_line(KeyError()) == "KeyError"

@@ -151,11 +151,12 @@ def test_an_exact_decode_that_differs_fails_with_the_target_margin_there():
     assert "top-2 logit margin there" in row.detail
 
 
-def test_first_difference_counts_a_missing_token():
-    assert gpu_first_look.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert gpu_first_look.first_difference([1, 9, 3], [1, 2, 3]) == 1
-    assert gpu_first_look.first_difference([1, 2], [1, 2, 3]) == 2
-    assert gpu_first_look.first_difference([1, 2, 3, 4], [1, 2, 3]) == 3
+def test_the_tokens_in_common_count_up_to_a_missing_or_extra_one():
+    common = gpu_first_look.common_prefix_length  # what the rows count with
+    assert common([1, 2, 3], [1, 2, 3]) == 3
+    assert common([1, 9, 3], [1, 2, 3]) == 1
+    assert common([1, 2], [1, 2, 3]) == 2
+    assert common([1, 2, 3, 4], [1, 2, 3]) == 3
 
 
 def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):

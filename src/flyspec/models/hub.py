@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from flyspec.errors import FlyspecError
+from flyspec.errors import FlyspecError, error_line
 
 HUB_RECORD_SUFFIX = ".hub.json"
 HUB_FILES = ("*.json", "*.safetensors", "merges.txt", "vocab.json", "tokenizer*")
@@ -40,10 +40,8 @@ def fetch_snapshot(hub_id: str, download: Download | None = None) -> Path:
     try:
         return Path((download or snapshot_download)(hub_id))
     except (OSError, ValueError) as error:  # huggingface_hub's errors derive from these
-        lines = str(error).strip().splitlines()
         raise HubUnavailable(
-            f"{hub_id} is neither reachable on the hub nor in its local cache "
-            f"({type(error).__name__}{': ' + lines[0] if lines else ''})"
+            f"{hub_id} is neither reachable on the hub nor in its local cache ({error_line(error)})"
         ) from None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flyspec.errors import FlyspecError
+from flyspec.errors import FlyspecError, error_line
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 # Rotary variants whose tables do not depend on the sequence length.
@@ -192,10 +192,9 @@ class LeanForward:
             try:
                 hidden = self._compiled_layers(hidden, positions, visible, None)
             except torch._dynamo.exc.TorchDynamoException as error:
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 raise FlyspecError(
                     f"torch.compile could not compile this model's layers "
-                    f"({type(error).__name__}: {first_line[:200]}); use the lean forward"
+                    f"({error_line(error, limit=200)}); use the lean forward"
                 ) from error
         elif n > 1 and start > 0:
             # New token i sees every cached position and the new tokens up to itself.
