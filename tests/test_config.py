@@ -51,7 +51,7 @@ def test_a_conflict_names_the_setting_it_refuses():
 def test_the_defaults_are_valid():
     config = DecodeConfig()
     assert (config.mode, config.k, config.fly.window, config.fly.theta) == ("fly", 15, 6, 0.3)
-    assert KernelConfig() == KernelConfig("onednn", "int8", "none", "lean")
+    assert KernelConfig() == KernelConfig("onednn", "int8", "none", "auto")
     assert KernelConfig.plain() == KernelConfig("default", "none", "none", "transformers")
 
 

@@ -53,6 +53,48 @@ def test_blocks_of_any_size_give_the_logits_of_one_full_forward(model, compiled)
     assert counters["stats"]["unique_graphs"] - graphs_before <= (2 if compiled else 0)
 
 
+def test_padded_blocks_give_the_logits_of_unpadded_ones(model, capsys):
+    # Padded to a few sizes (as on CUDA, where each size is a CUDA graph): the padding's keys
+    # and values sit past the new tokens and are overwritten before anything attends to them.
+    tokens = [(5 * i + 3) % VOCAB for i in range(120)]
+    lean = LeanForward(model, compiled=True, pad_sizes=(1, 4, 16, 65))
+    start = 0
+    with torch.inference_mode():
+        for size in (9, 1, 3, 5, 1, 16, 2, 64, 1):
+            logits = lean.forward(torch.tensor([tokens[start : start + size]]), size)
+            start += size
+            expected = full_forward_logits(model, tokens[:start], size)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+            assert lean.length == start
+    assert set(lean.compile_checks) == {"token", "block"}
+    assert max(lean.compile_checks.values()) < 1e-4
+    assert "compiling" in capsys.readouterr().err
+
+
+def test_a_compiled_forward_that_differs_from_the_eager_one_is_dropped(model, capsys):
+    lean = LeanForward(model, compiled=True)
+    tokens = [5, 9, 2, 33, 8, 1, 4]
+
+    def wrong(hidden, positions, visible, key_length):  # as if the mask were lost
+        return lean._layers(hidden, positions, None, None) + 1.0
+
+    lean._compiled_layers = wrong
+    with torch.inference_mode():
+        logits = lean.forward(torch.tensor([tokens]), 2)
+        assert lean.forward_path == "lean" and lean._compiled_layers is None
+        later = lean.forward(torch.tensor([[7]]), 1)
+    torch.testing.assert_close(logits, full_forward_logits(model, tokens, 2))
+    torch.testing.assert_close(later, full_forward_logits(model, tokens + [7], 1))
+    warning = capsys.readouterr().err.strip().splitlines()[-1]
+    assert warning.startswith("warning: ") and "running eagerly" in warning
+
+
+def test_auto_is_the_lean_forward_off_cuda(model):
+    runner = make_forward(model, "auto")
+    assert isinstance(runner, LeanForward) and runner.forward_path == "lean"
+    assert CachedLM(model).forward_path == "lean"
+
+
 def test_a_crop_drops_the_rejected_positions(model):
     lean = LeanForward(model)
     with torch.inference_mode():

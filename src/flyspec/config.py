@@ -55,7 +55,9 @@ MAX_SEED = 2**63 - 1
 
 LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")
-FORWARD_PATHS: tuple[str, ...] = ("lean", "transformers", "compiled")
+FORWARD_PATHS: tuple[str, ...] = ("auto", "lean", "transformers", "compiled")
+"""``auto``: ``compiled`` for a model on CUDA, ``lean`` elsewhere (where the lean forward cannot
+run a model, both give transformers' forward)."""
 
 
 class ConfigError(FlyspecError, ValueError):
@@ -147,14 +149,14 @@ class KernelConfig:
     layers; a quantised draft never changes what exact SPD emits, a quantised target does.
     ``forward``: flyspec's lean forward with a preallocated KV cache (Llama-family models;
     others fall back), the same through ``torch.compile`` (CUDA graphs on a GPU;
-    :class:`~flyspec.models.lean.LeanForward`), or transformers' ``model(...)``. Only
-    ``forward`` applies off the CPU.
+    :class:`~flyspec.models.lean.LeanForward`), transformers' ``model(...)``, or ``auto``
+    (compiled on CUDA, lean elsewhere). Only ``forward`` applies off the CPU.
     """
 
     linear: str = "onednn"
     draft_quant: str = "int8"
     target_quant: str = "none"
-    forward: str = "lean"
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in (

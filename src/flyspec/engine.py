@@ -119,7 +119,7 @@ class Engine:
         draft_model: torch.nn.Module | LanguageModel | None = None,
         target_name: str = "target",
         draft_name: str | None = None,
-        forward_path: str = "lean",
+        forward_path: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.target_name = target_name

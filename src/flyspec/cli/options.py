@@ -104,9 +104,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--forward",
         default=defaults.forward,
         choices=cfg.FORWARD_PATHS,
-        help="lean: flyspec's own forward with a preallocated KV cache for Llama-family models "
-        "(default; other models fall back to transformers'); compiled: the same through "
-        "torch.compile, CUDA graphs on a GPU (compiled on first use; on the CPU only with "
+        help="auto (default): compiled on CUDA, lean elsewhere; lean: flyspec's own forward "
+        "with a preallocated KV cache for Llama-family models (other models fall back to "
+        "transformers'); compiled: the same through torch.compile, CUDA graphs on a GPU "
+        "(compiled on first use, checked against the eager forward; on the CPU only with "
         "--linear default --draft-quant none); or transformers' model(...)",
     )
 

@@ -78,8 +78,8 @@ class SpeculativeDecoder:
     (:class:`~flyspec.models.llamacpp.LlamaCppLM`).
 
     ``eos_token_ids``: tokens that end a request; they are not emitted. ``forward_path``:
-    ``lean`` (the default, where the architecture allows) or ``transformers``
-    (:func:`flyspec.models.cache.make_forward`).
+    ``auto`` (the default: compiled on CUDA, lean elsewhere, where the architecture allows),
+    ``lean``, ``compiled`` or ``transformers`` (:func:`flyspec.models.cache.make_forward`).
     """
 
     def __init__(
@@ -88,7 +88,7 @@ class SpeculativeDecoder:
         draft: torch.nn.Module | LanguageModel | None = None,
         *,
         eos_token_ids: Collection[int] = (),
-        forward_path: str = "lean",
+        forward_path: str = "auto",
     ) -> None:
         self.target = _language_model(target, forward_path)
         self.draft = _language_model(draft, forward_path) if draft is not None else None

@@ -136,13 +136,17 @@ class TransformersForward:
         return output.logits[0, -num_logits:]
 
 
-def make_forward(model: torch.nn.Module, path: str = "lean") -> TransformersForward | LeanForward:
+def make_forward(model: torch.nn.Module, path: str = "auto") -> TransformersForward | LeanForward:
     """The forward runner for ``model``: ``lean`` where the architecture allows it (else
     transformers'), ``compiled`` (the lean forward through ``torch.compile``; FlyspecError
-    where the lean forward cannot run the model), or ``transformers``."""
+    where the lean forward cannot run the model), ``auto`` (compiled for a model on CUDA, lean
+    elsewhere) or ``transformers``."""
     if path not in FORWARD_PATHS:
         raise ValueError(f"forward path must be one of {', '.join(FORWARD_PATHS)}, got {path!r}")
     reason = lean_unsupported_reason(model)
+    if path == "auto":
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        path = "compiled" if on_cuda and reason is None else "lean"
     if path == "compiled" and reason is not None:
         raise FlyspecError(f"the compiled forward runs what the lean forward runs: {reason}")
     if path in ("lean", "compiled") and reason is None:
@@ -201,7 +205,7 @@ class CachedLM:
     """
 
     def __init__(
-        self, model: torch.nn.Module | ForwardRunner, *, forward_path: str = "lean"
+        self, model: torch.nn.Module | ForwardRunner, *, forward_path: str = "auto"
     ) -> None:
         self.runner: ForwardRunner = (
             make_forward(model, forward_path) if isinstance(model, torch.nn.Module) else model

@@ -17,10 +17,15 @@ agree with ``model(...)`` to float rounding.
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from flyspec.errors import FlyspecError, error_line
+from flyspec.support.console import say
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 # Rotary variants whose tables do not depend on the sequence length.
@@ -28,9 +33,20 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 _MIN_CAPACITY = 256
-COMPILED_MAX_TOKENS = 16
-"""The longest forward the compiled path runs compiled: a block of 15 draft tokens and the
-token before it (the default K)."""
+COMPILED_SIZES = (1, 2, 4, 8, 16, 32, 65)
+"""The forwards the compiled path runs, in new tokens: one token (a draft step), blocks of a
+few sizes up to 65 (a prediction's block of 64 and the token before it). On CUDA, where every
+size met records a CUDA graph of its own, a forward runs at the smallest of these sizes that
+holds it, padded: a few graphs whatever the block sizes chosen. Longer forwards (a prompt) run
+as in eager mode."""
+COMPILED_MAX_TOKENS = COMPILED_SIZES[-1]
+COMPILE_CHECK_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
+"""The largest difference between the compiled and the eager forward's logits, relative to the
+largest eager logit, that the first compiled forward of each kind may show (float32 rounding
+of reordered arithmetic); half-precision types are allowed :data:`HALF_CHECK_TOLERANCE`. A
+larger one, or a non-finite logit, means the compiled forward is wrong: it is dropped for the
+eager one."""
+HALF_CHECK_TOLERANCE = 5e-2
 
 
 def lean_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -78,14 +94,23 @@ class LeanForward:
     ``compiled``: forwards of up to :data:`COMPILED_MAX_TOKENS` new tokens (a draft step, a
     verified block) run through ``torch.compile``, attending over the whole buffer with a mask
     so that their shapes do not change as the cache fills; on CUDA in mode ``reduce-overhead``,
-    which replays each size as a CUDA graph (recorded on its first use). One token and blocks
-    of any size compile once each for a model's shapes (seconds to minutes), whatever the
-    buffers' capacity; longer forwards (a prompt) run as in eager mode.
+    which replays each size as a CUDA graph (recorded on its first use), the sizes padded to
+    ``pad_sizes`` (by default :data:`COMPILED_SIZES` on CUDA, none elsewhere). One token and
+    blocks of any size compile once each for a model's shapes (seconds to minutes), whatever
+    the buffers' capacity; longer forwards (a prompt) run as in eager mode. The first compiled
+    forward of each kind is checked against the eager forward (:attr:`compile_checks`); where
+    they differ beyond rounding, the compiled forward is dropped with a one-line warning.
     """
 
     context_length = None
 
-    def __init__(self, model: torch.nn.Module, *, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        compiled: bool = False,
+        pad_sizes: Sequence[int] | None = None,
+    ) -> None:
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
@@ -106,10 +131,17 @@ class LeanForward:
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)  # [capacity, head_dim]
         self.forward_path = "compiled" if compiled else "lean"
+        self.compile_checks: dict[str, float] = {}
+        """Per kind of compiled forward (``token``, ``block``): its first forward's largest
+        logit difference from the eager forward, relative to the largest eager logit."""
         self._compiled_layers = None
+        self.pad_sizes: tuple[int, ...] = ()
         if compiled:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            on_cuda = self.device.type == "cuda"
+            mode = "reduce-overhead" if on_cuda else None
             self._compiled_layers = torch.compile(self._layers, mode=mode, fullgraph=True)
+            chosen = COMPILED_SIZES if pad_sizes is None and on_cuda else pad_sizes or ()
+            self.pad_sizes = tuple(sorted(chosen))
 
     @property
     def vocab_size(self) -> int:
@@ -181,30 +213,91 @@ class LeanForward:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
         which continue the ``length`` cached positions."""
         n = input_ids.shape[1]
+        if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
+            return self._compiled_forward(input_ids, num_logits)
         start, end = self.length, self.length + n
         hidden = self.model.model.embed_tokens(input_ids)  # [1, n, D]
         self._reserve(end, hidden)
         positions = torch.arange(start, end, device=self.device)
-        if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
-            # Every buffered position, those past the new tokens masked: fixed shapes.
-            visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
-            self._mark_dynamic(hidden, positions, visible)
-            try:
-                hidden = self._compiled_layers(hidden, positions, visible, None)
-            except torch._dynamo.exc.TorchDynamoException as error:
-                raise FlyspecError(
-                    f"torch.compile could not compile this model's layers "
-                    f"({error_line(error, limit=200)}); use the lean forward"
-                ) from error
-        elif n > 1 and start > 0:
+        if n > 1 and start > 0:
             # New token i sees every cached position and the new tokens up to itself.
             visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
             hidden = self._layers(hidden, positions, visible, end)
         else:  # one token, or an empty cache: plain causal attention, a faster kernel
             hidden = self._layers(hidden, positions, None, end)
         self.length = end
+        return self._logits(hidden, num_logits)
+
+    def _logits(self, hidden: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """``[num_logits, V]`` from the last layer's ``hidden`` states ``[1, n, D]``."""
         hidden = self.model.model.norm(hidden[:, -num_logits:])
         return self.model.get_output_embeddings()(hidden)[0]
+
+    def _compiled_forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """:meth:`forward` through the compiled layers, at the padded size: the padding's keys
+        and values land past the new tokens, where nothing sees them before a later forward
+        overwrites them."""
+        n = input_ids.shape[1]
+        size = next((s for s in self.pad_sizes if s >= n), n)
+        if size > n:
+            input_ids = torch.cat((input_ids, input_ids[:, -1:].expand(1, size - n)), dim=1)
+        start = self.length
+        hidden = self.model.model.embed_tokens(input_ids)  # [1, size, D]
+        self._reserve(start + size, hidden)
+        positions = torch.arange(start, start + size, device=self.device)
+        # Every buffered position, those past each new token masked: fixed shapes.
+        visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
+        self._mark_dynamic(hidden, positions, visible)
+        kind = "token" if size == 1 else "block"
+        try:
+            if kind in self.compile_checks:
+                output = self._compiled_layers(hidden, positions, visible, None)
+                logits = self._logits(output[:, :n], num_logits)
+            else:
+                logits = self._first_compiled(kind, hidden, positions, visible, n, num_logits)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            raise FlyspecError(
+                f"torch.compile could not compile this model's layers "
+                f"({error_line(error, limit=200)}); use the lean forward"
+            ) from error
+        self.length = start + n
+        return logits
+
+    def _first_compiled(
+        self,
+        kind: str,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        n: int,
+        num_logits: int,
+    ) -> torch.Tensor:
+        """The first compiled forward of ``kind``, said on stderr (it compiles), checked
+        against the same forward run eagerly: where the two differ beyond rounding, the
+        compiled forward is dropped."""
+        name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        say(f"compiling {name}'s forward ({'one token' if kind == 'token' else 'blocks'}) ...")
+        started = time.perf_counter()
+        eager = self._logits(self._layers(hidden, positions, visible, None)[:, :n], num_logits)
+        # The compiled layers write the same positions again: the cache holds their values.
+        compiled = self._compiled_layers(hidden, positions, visible, None)
+        logits = self._logits(compiled[:, :n], num_logits)
+        scale = eager.abs().max().clamp_min(torch.finfo(eager.dtype).tiny)
+        difference = float((logits - eager).abs().max() / scale)
+        self.compile_checks[kind] = difference
+        tolerance = COMPILE_CHECK_TOLERANCE.get(eager.dtype, HALF_CHECK_TOLERANCE)
+        seconds = time.perf_counter() - started
+        if math.isfinite(difference) and difference <= tolerance:
+            say(f"compiled {name}'s forward in {seconds:.0f} s")
+            return logits
+        say(
+            f"warning: {name}'s compiled forward differs from the eager one ({difference:.2g} of "
+            f"the largest logit, over {tolerance:.2g} allowed in {eager.dtype}): running eagerly"
+        )
+        self._compiled_layers = None
+        self.forward_path = "lean"
+        self._layers(hidden, positions, visible, None)  # the eager values back in the cache
+        return eager
 
     def _mark_dynamic(
         self, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
