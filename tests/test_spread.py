@@ -5,15 +5,18 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flyspec.support.machine import (
     BUSY_CPU_FRACTION,
+    TREE_COMMIT_FILE,
     CpuLoad,
     CpuMonitor,
     combined_load,
     describe_machine,
+    git_commit,
     machine_identity,
 )
 from flyspec.support.repeated_measurements import (
@@ -152,3 +155,20 @@ def test_machine_identity_names_cpu_extensions_torch_and_version():
     assert identity["torch_threads"] >= 1
     line = describe_machine(identity)
     assert "cores" in line and "torch" in line
+
+
+def test_the_commit_is_the_checkouts_own_or_the_one_a_copy_names(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    described = subprocess.run(
+        ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert git_commit() == described and described
+    # A copy of the tree inside another repository: not that repository's commit.
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    copy = tmp_path / "flyspec"
+    copy.mkdir()
+    assert git_commit(copy) is None
+    (copy / TREE_COMMIT_FILE).write_text("57a2ced1234a-dirty\n")
+    assert git_commit(copy) == "57a2ced1234a-dirty"

@@ -258,15 +258,30 @@ def _flyspec_version() -> str | None:
         return None
 
 
-def git_commit() -> str | None:
-    """The commit of the source tree flyspec runs from, when it is a git checkout."""
-    source = Path(__file__).resolve().parent
+TREE_COMMIT_FILE = "TREE_COMMIT"
+"""A file at the root of a copy of flyspec's tree that names the commit it was copied from
+(``benchmarks/name_tree.sh`` writes it), for a copy that is no git checkout of its own."""
+
+
+def git_commit(root: Path | None = None) -> str | None:
+    """The commit of the source tree flyspec runs from (``root``, by default the folder above
+    ``src/flyspec``): ``git describe`` where that tree is the root of its git checkout, else what
+    its :data:`TREE_COMMIT_FILE` says (a copy of the tree, perhaps inside another repository,
+    whose commit is not flyspec's); None where neither tells."""
+    root = (root or Path(__file__).parents[3]).resolve()
+    if _git(root, "rev-parse", "--show-toplevel") == str(root):
+        return _git(root, "describe", "--always", "--dirty", "--abbrev=12")
+    try:
+        return (root / TREE_COMMIT_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _git(folder: Path, *arguments: str) -> str | None:
+    """What ``git -C folder ARGUMENTS`` prints (None where it fails)."""
     try:
         result = subprocess.run(
-            ["git", "-C", str(source), "describe", "--always", "--dirty", "--abbrev=12"],
-            capture_output=True,
-            text=True,
-            timeout=5,
+            ["git", "-C", str(folder), *arguments], capture_output=True, text=True, timeout=5
         )
     except (OSError, subprocess.SubprocessError):
         return None
