@@ -304,21 +304,51 @@ def test_the_model_drafter_reads_the_device_a_fixed_number_of_times_per_block(dr
         drafter = ModelDrafter(
             CachedLM(draft), temperature=temperature, generator=torch.Generator().manual_seed(0)
         )
-        drafter.propose(context, k)
+        first = drafter.propose(context, k)
+        if first.unread:  # the decoder reads it with its verdict and settles the record
+            first.settled(first.tokens.tolist(), k)
         with HostReads() as reads:
             block = drafter.propose(context + [1], k)
-        assert len(block) == k
+        assert len(block) == k and block.unread == (temperature == 0)
         counts.append(reads.count)
-    assert counts == [1, 1]  # the block, whose ids also settle the cache's record of its steps
+    # Greedy: none, the block is read with the verdict; sampled: the block, whose ids also
+    # settle the cache's record of its steps.
+    assert counts == [0, 0] if temperature == 0 else counts == [1, 1]
 
 
-def test_the_model_drafter_steps_past_an_end_token_and_cuts_the_block_there(draft):
+def test_the_model_drafter_steps_past_an_end_token_and_the_block_is_cut_there(draft):
     context = [4, 8, 15, 16, 23, 42]
     plain = ModelDrafter(CachedLM(draft)).propose(context, 12).tokens.tolist()
     end_at = next(i for i in range(1, 10) if plain[i] not in plain[:i])
     drafter = ModelDrafter(CachedLM(draft), end_tokens={plain[end_at]})
-    assert drafter.propose(context, 12).tokens.tolist() == plain[: end_at + 1]
-    assert drafter.lm.forward_calls == 12  # the steps after it were spent: one read a block
+    greedy = drafter.propose(context, 12)
+    assert greedy.unread and greedy.tokens.tolist() == plain  # the verdict cuts it
+    assert drafter.lm.forward_calls == 12  # the steps after it were spent
+    # Read as it drafts (min_confidence): the block ends at the end token, no step past it.
+    reading = ModelDrafter(CachedLM(draft), end_tokens={plain[end_at]}, min_confidence=1e-12)
+    assert reading.propose(context, 12).tokens.tolist() == plain[: end_at + 1]
+
+
+def test_an_unread_block_gives_the_tokens_and_rounds_of_a_block_read_and_cut_at_once(draft):
+    # The draft model's own block ends at an end token of the draft's: the decoder cuts the
+    # unread block there as the drafter cut the read one (min_confidence makes it read).
+    prompt = PROMPTS[0]
+    plain = ModelDrafter(CachedLM(draft)).propose(prompt, 12).tokens.tolist()
+    end = next(plain[i] for i in range(2, 10) if plain[i] not in plain[:i])
+    decoder = SpeculativeDecoder(draft, copy.deepcopy(draft), eos_token_ids={end})
+    outputs = {}
+    for label, confidence in (("unread", 0.0), ("read", 1e-12)):
+        for mode, fly in (("spd", FlyConfig()), ("fly", FlyConfig(theta=0.0, window=1))):
+            config = DecodeConfig(
+                mode=mode, k=12, max_new_tokens=30, fly=fly, draft_confidence=confidence
+            )
+            stats = RequestStats()
+            tokens = run(decoder, prompt, config, stats)
+            rounds = [(r.drafted, r.accepted, r.loosely_accepted, r.emitted) for r in stats.rounds]
+            outputs[label, mode] = (tokens, rounds, stats.finish_reason)
+    for mode in ("spd", "fly"):
+        assert outputs["unread", mode] == outputs["read", mode]
+        assert outputs["unread", mode][2] == "stop"
 
 
 def test_a_round_reads_the_device_as_often_whatever_its_block_size(target):
@@ -337,9 +367,9 @@ def test_a_round_reads_the_device_as_often_whatever_its_block_size(target):
             )
         assert stats.num_rounds == 4
         per_round[k] = reads.count / stats.num_rounds
-    # The drafted block and the verdict from the device; the block's ids and the tokens kept
-    # as Python lists from CPU tensors.
-    assert per_round[3] == per_round[9] == 4, per_round
+    # From the device, one read: the verdict with the block's ids; and the tokens kept as a
+    # Python list from a CPU tensor.
+    assert per_round[3] == per_round[9] == 2, per_round
 
 
 def test_mla_block_equals_the_draft_models_greedy_block(draft):
@@ -371,7 +401,10 @@ def test_a_draft_block_ends_at_an_end_token(draft, drafter_class):
     plain = ModelDrafter(CachedLM(draft)).propose(context, 15).tokens.tolist()
     end_at = next(i for i in range(2, 14) if plain[i] not in plain[:i])
     drafter = drafter_class(CachedLM(draft), end_tokens={plain[end_at]})
-    assert drafter.propose(context, 15).tokens.tolist() == plain[: end_at + 1]
+    block = drafter.propose(context, 15)
+    if block.unread:  # the model drafter's greedy block: the verdict cuts it (tested above)
+        block = SpeculativeDecoder(draft, eos_token_ids={plain[end_at]})._read(block)
+    assert block.tokens.tolist() == plain[: end_at + 1]
 
 
 def test_an_ngram_block_ends_at_an_end_token():

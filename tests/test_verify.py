@@ -1,6 +1,7 @@
 """The verification rules on synthetic logits (large +/- values make argmax and entropy exact)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -368,3 +369,22 @@ def test_a_sampled_draft_token_whose_probability_underflows_can_be_loosened():
         generator=torch.Generator().manual_seed(0),
     )
     assert verdict.num_kept == 2 and verdict.loose_positions == (0,)
+
+
+def test_an_unread_block_ends_after_its_first_end_token():
+    # Target tokens 1 2 7 4 5 6; the draft's 3rd token is an end token (7), drafted past it.
+    # The mismatch at 0 is unsure, and the next two positions match: a window of 2 holds within
+    # the block's first 3 positions, not past them.
+    target = logits_for([1, 2, 7, 4, 5, 6], [UNSURE, SURE, SURE, SURE, SURE, SURE])
+    block = draft([0, 2, 7, 4, 5])
+    end = torch.tensor([7])
+    plain = verify_greedy(block[:3], target[:4], fly=FlyConfig(window=2, theta=0.3))
+    unread = verify_greedy(block, target, fly=FlyConfig(window=2, theta=0.3), end_tokens=end)
+    assert (unread.num_drafted, unread.num_kept, unread.loose_positions) == (3, 3, (0,))
+    assert unread.draft_ids == (0, 2, 7, 4, 5)
+    assert replace(unread, draft_ids=()) == replace(plain, draft_ids=())
+    # A window that needs the positions past the end token is not loosened there.
+    wider = verify_greedy(block, target, fly=FlyConfig(window=3, theta=0.3), end_tokens=end)
+    assert (wider.num_drafted, wider.num_kept, wider.next_token) == (3, 0, 1)
+    # No end token in the block: all of it counts.
+    assert verify_greedy(block, target, fly=None, end_tokens=torch.tensor([9])).num_drafted == 5

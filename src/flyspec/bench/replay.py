@@ -210,8 +210,7 @@ class ReplayDrafter:
         drafted = min(traced.drafted, k)
         kept = min(traced.kept, drafted)
         payer = self.paying.get(traced.source) if traced.source else None
-        if payer is not None and drafted:
-            payer.propose(context, drafted)
+        paid = payer.propose(context, drafted) if payer is not None and drafted else None
         at = len(context) - self.prompt_length
         if list(context[self.prompt_length :]) != self.reference[:at]:
             raise FlyspecError(f"the replay left its reference before token {at}")
@@ -219,6 +218,11 @@ class ReplayDrafter:
         wrong = (self.reference[at + kept] + 1) % self.vocab_size
         self.planned = _Planned(kept=kept, next_token=self.reference[at + kept])
         tokens = torch.tensor(right + [wrong] * (drafted - kept), dtype=torch.long)
+        if paid is not None and paid.unread:
+            # As the paid block would be: left on the device for the verdict to read, whose
+            # ids then settle the draft model's record (its cache is cropped as often).
+            tokens = tokens.to(paid.tokens.device)
+            return Draft(tokens=tokens, source="model", unread=True, settle=paid.settle)
         return Draft(tokens=tokens, source=traced.source or "model")
 
     def take_plan(self) -> _Planned | None:
@@ -324,4 +328,5 @@ class ReplayDecoder(SpeculativeDecoder):
             num_kept=planned.kept,
             loose_positions=(),
             next_token=planned.next_token,
+            draft_ids=verdict.draft_ids,
         )

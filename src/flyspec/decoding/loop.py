@@ -15,6 +15,7 @@ import torch
 from flyspec.config import DecodeConfig
 from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
+from flyspec.decoding.drafters.base import through_end
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
@@ -95,6 +96,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.auto_k = AutoKPolicies()  # what -k auto learns, across requests
         self.vocab_size = self.target.vocab_size
+        self._end_token_tensors: dict[torch.device, torch.Tensor] = {}
 
     def stream(
         self,
@@ -122,10 +124,13 @@ class SpeculativeDecoder:
             while (room := request.room()) > 0:
                 k = request.block_size(room)
                 draft = request.draft(k)
-                target_logits = self.target.logits(  # one forward: [k + 1, V]
-                    request.context + draft.tokens.tolist(), len(draft) + 1
-                )
+                if draft.unread and not config.sampling.greedy:
+                    draft = self._read(draft)
+                target_logits = self._score(request.context, draft)  # one forward: [k + 1, V]
                 verdict = self._verify(draft, target_logits, config, generator)
+                if draft.unread:  # read with the verdict: settled without another read
+                    self.target.record_steps(verdict.draft_ids)
+                    draft = draft.settled(verdict.draft_ids, verdict.num_drafted)
                 committed = request.commit(draft, verdict, target_logits)
                 request.learn(draft, verdict, committed)
                 yield from request.deliver(committed)
@@ -207,6 +212,26 @@ class SpeculativeDecoder:
             prompt_length=prompt_length,
         )
 
+    def _end_tokens(self, device: torch.device) -> torch.Tensor:
+        """The end tokens ``long[E]`` on ``device`` (made once)."""
+        if device not in self._end_token_tensors:
+            ids = sorted(self.eos_token_ids)
+            self._end_token_tensors[device] = torch.tensor(ids, dtype=torch.long, device=device)
+        return self._end_token_tensors[device]
+
+    def _score(self, context: list[int], draft: Draft) -> torch.Tensor:
+        """The target's one forward over the last committed token and ``draft``: ``[K+1, V]``
+        (an unread block goes to the target as it is, on the device)."""
+        if draft.unread:
+            return self.target.logits_with_block(context, draft.tokens)
+        return self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
+
+    def _read(self, draft: Draft) -> Draft:
+        """An unread draft read on its own (verification at temperature > 0 reads it apart),
+        cut after an end token."""
+        ids = draft.tokens.tolist()
+        return draft.settled(ids, len(through_end(ids, self.eos_token_ids)))
+
     def _verify(
         self,
         draft: Draft,
@@ -215,7 +240,8 @@ class SpeculativeDecoder:
         generator: torch.Generator | None,
     ) -> Verdict:
         """The verdict on ``draft`` from the target's ``[K+1, V]`` logits over it. Tokens
-        drafted from a prediction are verified exactly unless ``config.loosen_predicted``."""
+        drafted from a prediction are verified exactly unless ``config.loosen_predicted``. An
+        unread draft is read with the verdict and cut after an end token there."""
         draft_tokens = draft.tokens.to(target_logits.device)
         fly = config.fly_in_force
         if draft.source == "prediction" and not config.loosen_predicted:
@@ -226,6 +252,7 @@ class SpeculativeDecoder:
                 target_logits,
                 fly=fly,
                 draft_confidence=draft.confidence,
+                end_tokens=self._end_tokens(target_logits.device) if draft.unread else None,
             )
         verified_logits = sampling_logits(target_logits, config.sampling)
         target_probs = verified_logits.softmax(dim=-1)

@@ -46,6 +46,8 @@ class Verdict:
     ``loose_positions`` are the indices (all ``< num_kept``) kept loosely by FLy.
     With a ``deferral`` the whole block and the bonus are kept tentatively
     (``num_kept == num_drafted``); the deferred position is not in ``loose_positions``.
+    ``draft_ids``: every draft token as read with the verdict at temperature 0 (a block cut
+    after an end token by :func:`verify_greedy` has more of them than ``num_drafted``).
     """
 
     num_drafted: int
@@ -53,6 +55,7 @@ class Verdict:
     loose_positions: tuple[int, ...]
     next_token: int
     deferral: Deferral | None = None
+    draft_ids: tuple[int, ...] = ()
 
     @property
     def is_bonus(self) -> bool:
@@ -325,31 +328,44 @@ def _verdict(
     candidates: torch.Tensor,
     next_token: torch.Tensor | Callable[[int], int],
     fly: FlyConfig | None,
+    draft_tokens: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
 ) -> Verdict:
     """The verdict on a block from its accepted positions and its loosening candidates
     (:func:`loosening_candidates`; all False without FLy): the candidates whose window holds
     are kept loosely, and a candidate at the cut may be deferred. ``next_token``: the target's
     token at each possible cut ``long[K+1]`` where it does not depend on the cut (temperature
-    0), else a function that draws it for a cut.
+    0), else a function that draws it for a cut. ``draft_tokens`` ``long[K]`` are read along
+    (:attr:`Verdict.draft_ids`), and ``length`` ``long[1]``, the positions of the block that
+    count (K where None: positions past it are neither accepted nor candidates).
 
-    The masks, with the tokens at the cuts when given, are read from the device at once: one
-    host synchronisation, whatever K (and a draw's own at temperature > 0)."""
+    The masks, with the tokens at the cuts, the draft tokens and the length when given, are
+    read from the device at once: one host synchronisation, whatever K (and a draw's own at
+    temperature > 0)."""
     num_drafted = accepted.shape[0]
     loose = candidates
     if fly is not None:
         loose = candidates & window_holds(accepted, window=fly.window)
-    read = torch.stack([accepted, candidates, loose]).long().flatten()  # [3K]
-    if isinstance(next_token, torch.Tensor):
-        read = torch.cat([read, next_token.long()])  # [3K + K + 1]
-    values = read.tolist()
+    parts = [torch.stack([accepted, candidates, loose]).long().flatten()]  # [3K]
+    for extra in (next_token, draft_tokens, length):  # [K + 1], [K], [1]
+        if isinstance(extra, torch.Tensor):
+            parts.append(extra.long())
+    values = torch.cat(parts).tolist()
     accepted_at, candidate_at, loose_at = (
         values[i * num_drafted : (i + 1) * num_drafted] for i in range(3)
     )
-    token_at = (
-        values[3 * num_drafted :].__getitem__
-        if isinstance(next_token, torch.Tensor)
-        else next_token
-    )
+    rest = values[3 * num_drafted :]
+    token_at = next_token
+    if isinstance(next_token, torch.Tensor):
+        token_at, rest = rest[: num_drafted + 1].__getitem__, rest[num_drafted + 1 :]
+    draft_ids = ()
+    if draft_tokens is not None:
+        draft_ids, rest = tuple(rest[:num_drafted]), rest[num_drafted:]
+    if length is not None:
+        num_drafted = rest[0]
+        accepted_at, candidate_at, loose_at = (
+            x[:num_drafted] for x in (accepted_at, candidate_at, loose_at)
+        )
     num_kept = first_unkept([a or b for a, b in zip(accepted_at, loose_at, strict=True)])
     loose_positions = tuple(i for i in range(num_kept) if loose_at[i])
     need = 0
@@ -362,12 +378,14 @@ def _verdict(
             loose_positions=loose_positions,
             next_token=token_at(num_drafted),
             deferral=Deferral(position=num_kept, need=need, correction=token_at(num_kept)),
+            draft_ids=draft_ids,
         )
     return Verdict(
         num_drafted=num_drafted,
         num_kept=num_kept,
         loose_positions=loose_positions,
         next_token=token_at(num_kept),
+        draft_ids=draft_ids,
     )
 
 
@@ -380,16 +398,25 @@ def verify_greedy(
     *,
     fly: FlyConfig | None,
     draft_confidence: torch.Tensor | None = None,
+    end_tokens: torch.Tensor | None = None,
 ) -> Verdict:
     """Greedy verification (temperature 0), exact or FLy.
 
     ``draft_tokens``: ``long[K]``; ``target_logits``: ``[K+1, V]``; ``draft_confidence``:
     ``float[K]`` or None (:func:`draft_unsure`). With ``fly=None`` the result is lossless: the
-    emitted tokens are exactly the target's greedy tokens.
+    emitted tokens are exactly the target's greedy tokens. ``end_tokens`` ``long[E]``: the
+    block ends after its first end token, as if drafted no further (a drafter that did not
+    read its block could not cut it there); the verdict's ``num_drafted`` says where.
     """
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     num_drafted = draft_tokens.shape[0]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
+    length = None
+    if end_tokens is not None:
+        ends = torch.isin(draft_tokens, end_tokens)  # [K]
+        # Where the first end token is, plus one; K without one.
+        length = torch.where(ends.any(), ends.int().argmax() + 1, num_drafted).reshape(1)
+        accepted &= torch.arange(num_drafted, device=accepted.device) < length
     candidates = torch.zeros_like(accepted)
     if fly is not None and num_drafted:
         block_logits = target_logits[:num_drafted]
@@ -402,11 +429,15 @@ def verify_greedy(
             fly=fly,
             draft_confidence=draft_confidence,
         )
+        if length is not None:
+            candidates &= torch.arange(num_drafted, device=accepted.device) < length
     return _verdict(
         accepted=accepted,
         candidates=candidates,
         next_token=target_tokens,
         fly=fly,
+        draft_tokens=draft_tokens,
+        length=length,
     )
 
 

@@ -179,6 +179,11 @@ class LanguageModel(Protocol):
         continues the tokens last given, without reading it back from the device."""
         ...
 
+    def logits_with_block(self, context: Sequence[int], block: torch.Tensor) -> torch.Tensor:
+        """``[n + 1, V]``: logits for the last token of ``context`` and each token of
+        ``block`` ``long[n]`` (a draft block still on the device, unread)."""
+        ...
+
     def record_steps(self, tokens: Sequence[int]) -> None:
         """The ids of the tokens :meth:`step` was fed since they were last read, as the caller
         read them back: the record of the cache then needs no read of its own."""
@@ -215,7 +220,7 @@ class CachedLM:
         self.context_length: int | None = self.runner.context_length
         self.forward_calls = 0
         self._tokens: list[int] = []
-        self._unread: list[torch.Tensor] = []  # long[1] each: fed by step(), not yet read
+        self._unread: list[torch.Tensor] = []  # long[n] each: fed by step() or a block, unread
 
     @property
     def vocab_size(self) -> int:
@@ -263,6 +268,24 @@ class CachedLM:
         return logits
 
     @torch.inference_mode()
+    def logits_with_block(self, context: Sequence[int], block: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n + 1, V]`` for the last token of ``context`` and each token of
+        ``block`` ``long[n]``, a draft block left on the device: it is fed unread, and recorded
+        as such until its ids are read (:attr:`cached_tokens`) or given
+        (:meth:`record_steps`). One forward, as :meth:`logits` over the whole sequence."""
+        if not context:
+            raise ValueError("the block continues a context: give at least one token")
+        reuse = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
+        self.runner.crop(reuse)
+        self._tokens = list(context)
+        block = block.reshape(-1).to(self.device, non_blocking=True)
+        self._unread = [block]
+        head = token_tensor(self._tokens[reuse:], self.device)[0]
+        logits = self.runner.forward(torch.cat((head, block))[None], block.shape[0] + 1)
+        self.forward_calls += 1
+        return logits
+
+    @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[V]`` for the token after ``token`` ``long[1]`` (on :attr:`device`), which
         continues the tokens last given: a drafter's one-token step. The token stays on the
@@ -280,7 +303,8 @@ class CachedLM:
         """The ids of the tokens :meth:`step` was fed since they were last read, as the caller
         read them back (a drafter reads its block anyway): the record of the cache then needs
         no read of its own at the next :meth:`logits`."""
-        if len(tokens) != len(self._unread):
-            raise ValueError(f"{len(self._unread)} stepped tokens are unread, {len(tokens)} given")
+        unread = sum(t.numel() for t in self._unread)
+        if len(tokens) != unread:
+            raise ValueError(f"{unread} stepped tokens are unread, {len(tokens)} given")
         self._tokens += tokens
         self._unread = []

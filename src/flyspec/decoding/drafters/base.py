@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -19,13 +19,17 @@ class Draft:
     ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot); and the
     draft model's ``confidence`` ``float[K]`` in each of its tokens (:func:`token_confidence`;
     None for drafters without a model, such as prompt lookup); and where the tokens come from
-    (``source``). ``tokens`` are on the CPU; ``probs`` and ``confidence`` may stay on the
-    draft model's device."""
+    (``source``). ``tokens`` are on the CPU, cut after an end token, unless ``unread``: then
+    they stay on the draft model's device, uncut, for the decoder to read with its verdict
+    and hand back to ``settle`` (the drafter's record of what its steps fed). ``probs`` and
+    ``confidence`` may stay on the draft model's device."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     source: DraftSource = "model"
+    unread: bool = False
+    settle: Callable[[list[int]], None] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -33,6 +37,18 @@ class Draft:
     @staticmethod
     def empty() -> Draft:
         return Draft(tokens=torch.zeros(0, dtype=torch.long))
+
+    def settled(self, ids: Sequence[int], length: int) -> Draft:
+        """The read draft: ``ids``, the values of :attr:`tokens`, given to :attr:`settle`, and
+        the block as the decoder goes on with it, its first ``length`` tokens on the CPU."""
+        if self.settle is not None:
+            self.settle(list(ids))
+        return Draft(
+            tokens=torch.tensor(ids[:length], dtype=torch.long),
+            probs=None if self.probs is None else self.probs[:length],
+            confidence=None if self.confidence is None else self.confidence[:length],
+            source=self.source,
+        )
 
 
 class Drafter(Protocol):

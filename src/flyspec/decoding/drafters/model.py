@@ -40,9 +40,10 @@ class ModelDrafter:
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Up to ``k`` tokens after ``context``, one forward each. The chosen tokens stay on
-        the model's device, each the input of the next forward, and the block is read back
-        once: drafting costs no host synchronisation per token. It is then cut after an end
-        token (the steps past it were spent for nothing, once a request). Only with
+        the model's device, each the input of the next forward: drafting costs no host
+        synchronisation per token. A greedy block is left unread (``Draft.unread``), for the
+        decoder to read with its verdict; a sampled one is read once here and cut after an
+        end token (the steps past it were spent for nothing, once a request). Only with
         ``min_confidence > 0`` is each token read at once, to end the block early."""
         if k <= 0:
             return Draft.empty()
@@ -62,6 +63,14 @@ class ModelDrafter:
                 break
         chosen_tokens = torch.cat(chosen)  # long[n]
         confidence = token_confidence(torch.stack(rows), chosen_tokens)  # float[n]
+        if self.sampling.greedy and self.min_confidence <= 0:
+            # Unread: the decoder reads it with its verdict, cut after an end token there.
+            return Draft(
+                tokens=chosen_tokens,
+                confidence=confidence,
+                unread=True,
+                settle=lambda ids: self.lm.record_steps(ids[:-1]),
+            )
         read = chosen_tokens.tolist()  # the block's one read
         self.lm.record_steps(read[:-1])  # the steps fed all but the last
         tokens = through_end(read, self.end_tokens)
