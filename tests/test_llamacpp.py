@@ -18,23 +18,9 @@ from flyspec.engine import Engine
 from flyspec.errors import FlyspecError
 from flyspec.models.llamacpp import LlamaCppLM
 from flyspec.models.llamacpp_binding import require_llamacpp
-from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf
 
 VOCAB = 96
 PROMPT = "def fibonacci(n):\n    return"
-
-
-@pytest.fixture(scope="module")
-def tiny_ggufs(tmp_path_factory):
-    """``(tokenizer, draft model, target model, draft GGUF, target GGUF)``."""
-    folder = tmp_path_factory.mktemp("gguf")
-    tokenizer = make_tiny_tokenizer(VOCAB)
-    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    draft = make_tiny_model(vocab_size=VOCAB, seed=1, num_layers=1, **ids)
-    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
-    draft_path = save_tiny_gguf(folder / "draft.gguf", draft, tokenizer)
-    target_path = save_tiny_gguf(folder / "target.gguf", target, tokenizer)
-    return tokenizer, draft, target, draft_path, target_path
 
 
 @pytest.fixture

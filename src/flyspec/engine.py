@@ -154,6 +154,12 @@ class Engine:
         return None if self.decoder.draft is None else self.decoder.draft.model
 
     @property
+    def has_draft(self) -> bool:
+        """Whether a draft model is loaded, on either backend (the ``model`` and ``mla``
+        drafters need one)."""
+        return self.decoder.draft is not None
+
+    @property
     def context_length(self) -> int:
         """The most positions (prompt + generated) the target model supports."""
         if self.backend == "llamacpp":
