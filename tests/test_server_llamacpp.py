@@ -109,3 +109,9 @@ def test_usage_counts_the_predicted_tokens(client, greedy):
     )
     assert response.choices[0].text == greedy
     assert response.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_request_may_ask_for_k_auto(client, greedy, stream):
+    text, _ = complete(client, stream=stream, mode="spd", drafter="model", k="auto")
+    assert text == greedy
