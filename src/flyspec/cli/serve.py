@@ -249,7 +249,7 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     """Replace this process with vLLM's OpenAI server, FLy plugin on in ``fly`` mode. The
     decoding flags map onto vLLM's: mode and drafter onto the speculative config, K onto
     num_speculative_tokens, W/theta/entropy onto the plugin's settings, and temperature,
-    top-k, top-p and --max-new-tokens onto the requests' defaults."""
+    top-k, top-p and --max-tokens onto the requests' defaults."""
     import shlex
 
     from flyspec.integrations.vllm.launch import (
