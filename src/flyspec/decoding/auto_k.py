@@ -196,21 +196,6 @@ class AutoK:
             for k in range(1, top + 1)
         )
 
-    def observe(
-        self,
-        *,
-        drafted: int,
-        kept: int,
-        loose_positions: Iterable[int] = (),
-        draft_seconds: float = 0.0,
-        verify_seconds: float = 0.0,
-    ) -> None:
-        """Fold in one round whose verdict is final: its costs and its acceptance."""
-        self.observe_costs(
-            drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
-        )
-        self.observe_acceptance(drafted=drafted, kept=kept, loose_positions=loose_positions)
-
     def observe_costs(
         self, *, drafted: int, draft_seconds: float = 0.0, verify_seconds: float = 0.0
     ) -> None:
