@@ -115,7 +115,7 @@ def test_pair_with_different_vocabularies_is_refused(capsys, tiny_pair, other_vo
 def generate_on_tiny_pair(capsys, tiny_pair, *extra):
     draft, target = tiny_pair
     return run_cli(
-        capsys, "generate", "def f", "--target", str(target), "--draft", str(draft), *extra
+        capsys, "generate", "def f", "--model", str(target), "--draft-model", str(draft), *extra
     )
 
 
@@ -223,6 +223,18 @@ def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pa
         capsys, tiny_pair, "--mode", "spd", "--max-new-tokens", "4", "--prediction", str(prediction)
     )
     assert code == 0 and "of its drafted tokens kept" in err
+
+
+@pytest.mark.parametrize("extra", [["--json"], [], ["--compare-target", "--compare-pairs", "1"]])
+def test_a_prediction_past_the_context_is_a_one_line_error(capsys, tiny_pair, tmp_path, extra):
+    """Checked once, by the library, before any timed run."""
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text("x = 1\n" * 1024, encoding="utf-8")  # the tiny models hold 1024
+    code, _, err = generate_on_tiny_pair(
+        capsys, tiny_pair, "--mode", "spd", "--prediction", str(prediction), *extra
+    )
+    assert_one_line_error(code, err, "does not fit in the model's context")
+    assert "timing" not in err
 
 
 @pytest.mark.parametrize(

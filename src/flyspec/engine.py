@@ -287,9 +287,8 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prediction(self, prediction: str) -> list[int]:
-        """Token ids of a predicted answer (:func:`prediction_token_ids`)."""
-        if not prediction:
-            raise FlyspecError("the prediction is empty")
+        """Token ids of a predicted answer (:func:`prediction_token_ids`; an empty one is
+        refused where the request starts, by its drafter)."""
         return prediction_token_ids(self.tokenizer, prediction)
 
     def check_prediction(self, prompt_ids: Sequence[int], prediction_ids: Sequence[int]) -> None:

@@ -91,10 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise FlyspecError(f"--compare-pairs must be >= 1, got {args.compare_pairs}")
     engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
     prompt_ids = engine.encode(prompt, chat=args.chat)
-    prediction_ids = None
-    if prediction is not None:
-        prediction_ids = engine.encode_prediction(prediction)
-        engine.check_prediction(prompt_ids, prediction_ids)
+    prediction_ids = None if prediction is None else engine.encode_prediction(prediction)
     comparison = None
     if args.compare_target:
         comparison = TargetComparison(
@@ -170,7 +167,7 @@ class TargetComparison:
     ):
         """Warm up, then run every timed generation but the last (shown) one (the method
         with ``prediction``, the target alone without)."""
-        warm_up(engine, prompt_ids, config)
+        warm_up(engine, prompt_ids, config, prediction=prediction)
         self.mode = config.mode
         plain = self.plain_llamacpp
         if plain is not None:
@@ -340,7 +337,14 @@ def read_prediction(argument: str) -> str:
     return text
 
 
-def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:
-    """A few tokens in each mode first, so one-time costs do not bias the comparison."""
-    for mode in ("target", config.mode):
-        engine.generate(prompt_ids, config.with_updates(mode=mode, max_new_tokens=2))
+def warm_up(
+    engine,
+    prompt_ids: Sequence[int],
+    config: cfg.DecodeConfig,
+    *,
+    prediction: Sequence[int] | None = None,
+) -> None:
+    """A few tokens in each mode first, so one-time costs do not bias the comparison (and a
+    prediction the request cannot take is refused before any timed run)."""
+    engine.generate(prompt_ids, config.with_updates(mode="target", max_new_tokens=2))
+    engine.generate(prompt_ids, config.with_updates(max_new_tokens=2), prediction=prediction)
