@@ -29,6 +29,23 @@ def tiny_ggufs(tmp_path_factory):
     return tokenizer, draft, target, draft_path, target_path
 
 
+@pytest.fixture(scope="module")
+def tiny_llamacpp_engine(tiny_ggufs):
+    """An :class:`~flyspec.engine.Engine` on llama.cpp over the tiny GGUF pair (one per test
+    module: what ``-k auto`` learns stays in its module)."""
+    from flyspec.engine import Engine
+    from flyspec.models.llamacpp import LlamaCppLM
+
+    tokenizer, _, _, draft_path, target_path = tiny_ggufs
+    return Engine(
+        target_model=LlamaCppLM(target_path, context=512, threads=1),
+        draft_model=LlamaCppLM(draft_path, context=512, threads=1),
+        tokenizer=tokenizer,
+        target_name=str(target_path),
+        draft_name=str(draft_path),
+    )
+
+
 def load_default_engine():
     """The embedded default pair (draft 0.5B, target 1.5B) as the commands load it. Skipped
     where it is not installed, except in CI, where a missing pair is a failure. The caller

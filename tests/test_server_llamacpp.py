@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from flyspec.config import DecodeConfig
-from flyspec.engine import Engine
 from flyspec.server.app import create_app
 from tests.test_server import running
 
@@ -23,23 +22,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_ggufs) -> Engine:
-    from flyspec.models.llamacpp import LlamaCppLM
-
-    tokenizer, _, _, draft_path, target_path = tiny_ggufs
-    return Engine(
-        target_model=LlamaCppLM(target_path, context=512, threads=1),
-        draft_model=LlamaCppLM(draft_path, context=512, threads=1),
-        tokenizer=tokenizer,
-        target_name=str(target_path),
-        draft_name=str(draft_path),
-    )
-
-
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator[openai.OpenAI]:
+def client(tiny_llamacpp_engine) -> Iterator[openai.OpenAI]:
     app = create_app(
-        engine,
+        tiny_llamacpp_engine,
         defaults=DecodeConfig(k=4, max_new_tokens=MAX_TOKENS),
         model_name=MODEL,
         queue_size=4,

@@ -100,68 +100,35 @@ def add_evaluation_arguments(
         prompt_style_alias=True,
     )
     lists: dict[str, Option] = {
-        "theta": (
-            ("--thetas",),
-            dict(
-                aliases=("--theta",),
-                dest="theta",
-                default=rules["theta"],
-                help="FLy entropy thresholds, comma-separated, e.g. 0,0.3 (default "
-                f"{rules['theta']}); every combination of the rule's settings is its own fly "
-                "method",
-            ),
+        "theta": _rule_list(
+            "theta",
+            rules,
+            "FLy entropy thresholds, comma-separated, e.g. 0,0.3 (default {}); every "
+            "combination of the rule's settings is its own fly method",
         ),
-        "window": (
-            ("--windows",),
-            dict(
-                aliases=("--window",),
-                dest="window",
-                default=rules["window"],
-                help="FLy deferred windows W, comma-separated, e.g. 0,4,6 (default "
-                f"{rules['window']})",
-            ),
+        "window": _rule_list(
+            "window", rules, "FLy deferred windows W, comma-separated, e.g. 0,4,6 (default {})"
         ),
-        "min_ratio": (
-            ("--min-ratios",),
-            dict(
-                aliases=("--min-ratio",),
-                dest="min_ratio",
-                default=rules["min_ratio"],
-                help="plausibility floors: least target probability of the draft token relative "
-                "to the target's top token, comma-separated, e.g. 0,0.1 (default "
-                f"{rules['min_ratio']}; 0: off)",
-            ),
+        "min_ratio": _rule_list(
+            "min_ratio",
+            rules,
+            "plausibility floors: least target probability of the draft token relative to the "
+            "target's top token, comma-separated, e.g. 0,0.1 (default {}; 0: off)",
         ),
-        "max_rank": (
-            ("--max-ranks",),
-            dict(
-                aliases=("--max-rank",),
-                dest="max_rank",
-                default=rules["max_rank"],
-                help="plausibility floors: the draft token among the target's top N, "
-                f"comma-separated (default {rules['max_rank']}; 0: off)",
-            ),
+        "max_rank": _rule_list(
+            "max_rank",
+            rules,
+            "plausibility floors: the draft token among the target's top N, comma-separated "
+            "(default {}; 0: off)",
         ),
-        "max_draft_confidence": (
-            ("--max-draft-confidences",),
-            dict(
-                aliases=("--max-draft-confidence",),
-                dest="max_draft_confidence",
-                default=rules["max_draft_confidence"],
-                help="the draft's doubt: loosen only where the draft model gave its own token at "
-                "most this probability, comma-separated, e.g. 1,0.5 (default "
-                f"{rules['max_draft_confidence']}; 1: off)",
-            ),
+        "max_draft_confidence": _rule_list(
+            "max_draft_confidence",
+            rules,
+            "the draft's doubt: loosen only where the draft model gave its own token at most "
+            "this probability, comma-separated, e.g. 1,0.5 (default {}; 1: off)",
         ),
-        "defer": (
-            ("--defers",),
-            dict(
-                aliases=("--defer",),
-                dest="defer",
-                default=rules["defer"],
-                help="deferral across blocks: off, on, or off,on for both (default "
-                f"{rules['defer']})",
-            ),
+        "defer": _rule_list(
+            "defer", rules, "deferral across blocks: off, on, or off,on for both (default {})"
         ),
         "max_new_tokens": (
             ("--max-tokens",),
@@ -217,6 +184,14 @@ def add_evaluation_arguments(
     output.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_backend_arguments(parser)
     add_vllm_arguments(parser)
+
+
+def _rule_list(dest: str, rules: dict[str, str], help: str) -> Option:
+    """A FLy rule option as a list: its name in the plural, the singular (one value in the
+    other commands) kept as a hidden alias; ``help`` with ``{}`` for the default."""
+    flag = "--" + dest.replace("_", "-")
+    settings = dict(aliases=(flag,), dest=dest, default=rules[dest], help=help.format(rules[dest]))
+    return (f"{flag}s",), settings
 
 
 def _split(values: list[str] | str | None) -> list[str]:
