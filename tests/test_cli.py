@@ -61,6 +61,9 @@ def assert_one_line_error(code, err, fragment):
         (["bench", "--backend", "llamacpp"], "through its llamacpp-* methods"),
         (["serve", "--engine", "vllm", "-k", "auto", "--dry-run"], "-k auto runs in flyspec"),
         (["generate", "x", "--backend", "llamacpp", "--dtype", "bfloat16"], "drop --device"),
+        (["generate", "x", "--threads", "-1"], "--threads must be >= 0"),
+        (["generate", "x", "--backend", "llamacpp", "--threads", "-2"], "--threads must be >= 0"),
+        (["bench", "--llamacpp-threads", "-1"], "--threads must be >= 0"),
         (
             ["generate", "x", "--dtype", "bfloat16", "--target-quant", "int8"],
             "choose one (--dtype float32, or --target-quant none)",
@@ -205,6 +208,19 @@ def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
     assert code == 0
     assert out.endswith("\n")
     assert "tokens in" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("extra", "calls"), [([], []), (["--threads", "1"], [1])])
+def test_threads_set_torchs_threads_on_the_torch_backend(
+    capsys, monkeypatch, tiny_pair, extra, calls
+):
+    import flyspec.support.cpu_math
+
+    seen = []
+    monkeypatch.setattr(flyspec.support.cpu_math, "set_torch_threads", seen.append)
+    code, _, err = generate_on_tiny_pair(capsys, tiny_pair, "--max-tokens", "2", *extra)
+    assert code == 0, err
+    assert seen == calls
 
 
 def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pair, tmp_path):
