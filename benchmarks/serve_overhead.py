@@ -47,14 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.add_backend_arguments(parser)
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (default 3)")
     parser.add_argument("--repeats", type=int, default=2, help="blocks of each (default 2)")
-    cli.add_option(
-        parser,
-        "--max-tokens",
-        aliases=("--max-new-tokens",),
-        dest="max_new_tokens",
-        type=int,
-        default=128,
-    )
+    flags, settings = cli.max_tokens_option(default=128, help="default 128")
+    cli.add_option(parser, *flags, **settings)
     parser.add_argument("--mode", choices=cfg.MODES, default="fly")
     parser.add_argument("--drafter", choices=cfg.DRAFTERS, default="model")
     parser.add_argument("--stream", action="store_true", help="stream the server's answers")

@@ -31,14 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_model_arguments(parser)
     cli.add_backend_arguments(parser)
-    cli.add_option(
-        parser,
-        "--max-tokens",
-        aliases=("--max-new-tokens",),
-        dest="max_new_tokens",
-        type=int,
-        default=64,
-    )
+    flags, settings = cli.max_tokens_option(default=64, help="default 64")
+    cli.add_option(parser, *flags, **settings)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per stage (3)")
     parser.add_argument("--mode", choices=cfg.MODES, default="fly")
     args = parser.parse_args(argv)

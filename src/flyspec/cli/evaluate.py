@@ -20,6 +20,7 @@ from flyspec.cli.options import (
     add_vllm_arguments,
     decode_config_from_args,
     load_engine,
+    max_tokens_option,
     say,
     vllm_engine_spec,
 )
@@ -130,17 +131,10 @@ def add_evaluation_arguments(
         "defer": _rule_list(
             "defer", rules, "deferral across blocks: off, on, or off,on for both (default {})"
         ),
-        "max_new_tokens": (
-            ("--max-tokens",),
-            dict(
-                aliases=("--max-new-tokens",),
-                dest="max_new_tokens",
-                metavar="N",
-                type=int,
-                default=None,
-                help="token budget per generation (default: humaneval 384, humaneval-edit 512, "
-                "gsm8k 384)",
-            ),
+        "max_new_tokens": max_tokens_option(
+            default=None,
+            help="token budget per generation (default: humaneval 384, humaneval-edit 512, "
+            "gsm8k 384)",
         ),
     }
     if modes is not None:

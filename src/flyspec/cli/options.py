@@ -527,22 +527,29 @@ def _sampling_options() -> list[Option]:
 def _length_options() -> list[Option]:
     """Where a generation ends: its token budget and its stop strings."""
     return [
-        (
-            ("--max-tokens",),
-            dict(
-                aliases=("--max-new-tokens",),
-                dest="max_new_tokens",
-                metavar="N",
-                type=int,
-                default=cfg.DEFAULT_MAX_NEW_TOKENS,
-                help="most tokens generated (default 128)",
-            ),
+        max_tokens_option(
+            default=cfg.DEFAULT_MAX_NEW_TOKENS,
+            help=f"most tokens generated (default {cfg.DEFAULT_MAX_NEW_TOKENS})",
         ),
         (
             ("--stop",),
             dict(action="append", default=[], help="stop string (repeatable), not emitted"),
         ),
     ]
+
+
+def max_tokens_option(*, default: int | None, help: str) -> Option:
+    """--max-tokens (the token budget, ``max_new_tokens``), its former name --max-new-tokens
+    kept as a hidden alias."""
+    settings = dict(
+        aliases=("--max-new-tokens",),
+        dest="max_new_tokens",
+        metavar="N",
+        type=int,
+        default=default,
+        help=help,
+    )
+    return ("--max-tokens",), settings
 
 
 def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConfig:
