@@ -12,7 +12,9 @@ from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.auto_k import (
     PROBE_AFTER,
     AutoK,
+    AutoKPolicies,
     ForwardCosts,
+    RequestAutoK,
     expected_tokens,
     probe_sizes,
 )
@@ -369,3 +371,14 @@ def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("wait"))
     measure_block_costs(QueuedLM(), [1, 2, 3], [1, 2])
     assert calls == ["forward", "wait", "forward", "wait"]
+
+
+def test_the_controller_chooses_with_the_policy_of_the_kind_it_is_given():
+    """The loop says what kind of block comes next; only a block of the draft model costs
+    drafting time, so where drafting is dear the model's policy drafts nothing and a free
+    kind drafts."""
+    policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.1, 16: 0.15}), draft_token_seconds=1.0)
+    controller = RequestAutoK(policies, DecodeConfig(mode="spd", k=15, auto_k=True))
+    assert controller.choose("model", 15) == 0
+    assert controller.choose("prediction", 15) > 0
+    assert {key[-1] for key in policies.policies} == {"model", "prediction"}

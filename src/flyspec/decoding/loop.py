@@ -175,14 +175,13 @@ class SpeculativeDecoder:
         auto = None
         if config.auto_k and drafter is not None:
             self.auto_k.measure(self.target, context, config, draft_lm=draft_lm)
-            auto = RequestAutoK(
-                self.auto_k, config, plan=getattr(drafter, "plan", None), draft_lm=draft_lm
-            )
+            auto = RequestAutoK(self.auto_k, config)
         return Request(
             prompt_ids=context,
             config=config,
             stats=stats,
             drafter=drafter,
+            draft_lm=draft_lm,
             auto=auto,
             eos_token_ids=self.eos_token_ids,
             clock=clock,
