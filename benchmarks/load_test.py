@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, help="default: the server's (greedy)")
     parser.add_argument("--mode", choices=("target", "spd", "fly"))
     parser.add_argument("--drafter", choices=("model", "ngram", "mla"))
-    parser.add_argument("-k", "--k", type=int)
+    parser.add_argument("-k", "--num-speculative-tokens", "--k", dest="k", type=int)
     parser.add_argument("--window", type=int)
     parser.add_argument("--theta", type=float)
     parser.add_argument(

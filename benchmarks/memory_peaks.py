@@ -45,7 +45,7 @@ def generate_peak(flyspec: str, arguments: list[str]) -> int:
     """The maximum resident set size of one ``flyspec generate`` run, in bytes."""
     with tempfile.NamedTemporaryFile("r") as report:
         command = ["/usr/bin/time", "-f", "%M", "-o", report.name, flyspec, "generate"]
-        command += [PROMPT, "--max-new-tokens", "32", "--json", *arguments]
+        command += [PROMPT, "--max-tokens", "32", "--json", *arguments]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return int(report.read().strip().splitlines()[-1]) * 1024
 

@@ -29,16 +29,26 @@ from flyspec import config as cfg
 from flyspec.cli import options as cli
 from flyspec.support.cpu_math import configure_cpu_math
 
-MODEL_FLAGS = ("target", "draft", "device", "dtype", "linear", "draft_quant", "target_quant")
+MODEL_FLAGS = {
+    "target": "--model",
+    "draft": "--draft-model",
+    **{
+        name: f"--{name.replace('_', '-')}"
+        for name in ("device", "dtype", "linear", "draft_quant", "target_quant")
+    },
+}
+"""The model options the child processes are given, by destination: their flags."""
 WARMUP_TOKENS = 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_model_arguments(parser)
+    cli.add_backend_arguments(parser)
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (default 3)")
     parser.add_argument("--repeats", type=int, default=2, help="blocks of each (default 2)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    flags, settings = cli.max_tokens_option(default=128, help="default 128")
+    cli.add_option(parser, *flags, **settings)
     parser.add_argument("--mode", choices=cfg.MODES, default="fly")
     parser.add_argument("--drafter", choices=cfg.DRAFTERS, default="model")
     parser.add_argument("--stream", action="store_true", help="stream the server's answers")
@@ -46,17 +56,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
-        parser.error("--prompts, --repeats and --max-new-tokens must be >= 1")
+        parser.error("--prompts, --repeats and --max-tokens must be >= 1")
     return args
 
 
 def model_arguments(args: argparse.Namespace) -> list[str]:
     """The model options as command-line flags, for the child processes."""
     flags = []
-    for name in MODEL_FLAGS:
+    for name, flag in MODEL_FLAGS.items():
         value = getattr(args, name)
         if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+            flags += [flag, str(value)]
     return flags + ["--forward", args.forward]
 
 
@@ -101,7 +111,7 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         *model_arguments(args),
         "--prompts",
         str(args.prompts),
-        "--max-new-tokens",
+        "--max-tokens",
         str(args.max_new_tokens),
         "--mode",
         args.mode,

@@ -30,12 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_cpu_math()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_model_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    cli.add_backend_arguments(parser)
+    flags, settings = cli.max_tokens_option(default=64, help="default 64")
+    cli.add_option(parser, *flags, **settings)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per stage (3)")
     parser.add_argument("--mode", choices=cfg.MODES, default="fly")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.repeats < 1:
-        parser.error("--max-new-tokens and --repeats must be >= 1")
+        parser.error("--max-tokens and --repeats must be >= 1")
     from flyspec.support.machine import CpuMonitor, describe_machine, machine_identity
 
     config = cfg.DecodeConfig(mode=args.mode, max_new_tokens=args.max_new_tokens)

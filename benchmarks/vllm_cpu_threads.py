@@ -53,7 +53,9 @@ def run_child(target: str, reserved: str | None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds (default 2)")
-    parser.add_argument("--target", help="target model folder (default: the embedded one)")
+    parser.add_argument(
+        "--model", "--target", dest="target", help="target model folder (default: the embedded one)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -4,13 +4,46 @@ import os
 
 import pytest
 
-from tests.tiny import save_tiny_pair
+from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf, save_tiny_pair
+
+GGUF_VOCAB = 96
 
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """``(draft_dir, target_dir)`` of a tiny random pair sharing one tokenizer."""
     return save_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory):
+    """A tiny random pair as float32 GGUF files for llama.cpp: ``(tokenizer, draft model,
+    target model, draft GGUF, target GGUF)``."""
+    folder = tmp_path_factory.mktemp("gguf")
+    tokenizer = make_tiny_tokenizer(GGUF_VOCAB)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    draft = make_tiny_model(vocab_size=GGUF_VOCAB, seed=1, num_layers=1, **ids)
+    target = make_tiny_model(vocab_size=GGUF_VOCAB, seed=2, num_layers=2, **ids)
+    draft_path = save_tiny_gguf(folder / "draft.gguf", draft, tokenizer)
+    target_path = save_tiny_gguf(folder / "target.gguf", target, tokenizer)
+    return tokenizer, draft, target, draft_path, target_path
+
+
+@pytest.fixture(scope="module")
+def tiny_llamacpp_engine(tiny_ggufs):
+    """An :class:`~flyspec.engine.Engine` on llama.cpp over the tiny GGUF pair (one per test
+    module: what ``-k auto`` learns stays in its module)."""
+    from flyspec.engine import Engine
+    from flyspec.models.llamacpp import LlamaCppLM
+
+    tokenizer, _, _, draft_path, target_path = tiny_ggufs
+    return Engine(
+        target_model=LlamaCppLM(target_path, context=512, threads=1),
+        draft_model=LlamaCppLM(draft_path, context=512, threads=1),
+        tokenizer=tokenizer,
+        target_name=str(target_path),
+        draft_name=str(draft_path),
+    )
 
 
 def load_default_engine():

@@ -12,7 +12,9 @@ from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.auto_k import (
     PROBE_AFTER,
     AutoK,
+    AutoKPolicies,
     ForwardCosts,
+    RequestAutoK,
     expected_tokens,
     probe_sizes,
 )
@@ -20,6 +22,22 @@ from flyspec.decoding.drafters import Draft
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.models.cache import CachedLM
 from tests.tiny import make_tiny_model
+
+
+def observe(
+    policy: AutoK,
+    *,
+    drafted: int,
+    kept: int,
+    loose_positions: tuple[int, ...] | list[int] = (),
+    draft_seconds: float = 0.0,
+    verify_seconds: float = 0.0,
+) -> None:
+    """Fold in one round whose verdict is final, as the decoder does: costs, then acceptance."""
+    policy.observe_costs(
+        drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
+    )
+    policy.observe_acceptance(drafted=drafted, kept=kept, loose_positions=loose_positions)
 
 
 def test_expected_tokens_of_a_block():
@@ -52,7 +70,8 @@ def test_probe_sizes():
 def observe_rounds(policy: AutoK, *, k: int, kept: int, rounds: int = 30) -> None:
     """Rounds that cost what the policy expects, with ``kept`` of ``k`` tokens kept."""
     for _ in range(rounds):
-        policy.observe(
+        observe(
+            policy,
             drafted=k,
             kept=kept,
             draft_seconds=k * policy.draft_seconds,
@@ -94,20 +113,20 @@ def test_the_budget_left_caps_the_block():
 def test_fly_counts_a_loose_token_only_where_its_window_fits():
     policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6)
     for _ in range(50):
-        policy.observe(drafted=15, kept=15, loose_positions=[0])
+        observe(policy, drafted=15, kept=15, loose_positions=[0])
     fits = policy.rates(15)[0]  # position 1: 1 + 6 <= 15
     does_not = policy.rates(6)[0]  # 1 + 6 > 6
     assert fits > 0.9 and does_not < 0.2
     deferring = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6, defer=True)
     for _ in range(50):
-        deferring.observe(drafted=15, kept=15, loose_positions=[0])
+        observe(deferring, drafted=15, kept=15, loose_positions=[0])
     assert deferring.rates(6)[0] > 0.9
 
 
 def plain_rounds(policy: AutoK, count: int) -> None:
     for _ in range(count):
         assert policy.choose() == 0
-        policy.observe(drafted=0, kept=0, verify_seconds=policy.costs(1))
+        observe(policy, drafted=0, kept=0, verify_seconds=policy.costs(1))
 
 
 def test_after_many_rounds_of_the_target_alone_one_round_drafts_again_less_and_less_often():
@@ -116,7 +135,7 @@ def test_after_many_rounds_of_the_target_alone_one_round_drafts_again_less_and_l
     plain_rounds(policy, PROBE_AFTER)
     probe = policy.choose()
     assert probe > 0
-    policy.observe(drafted=probe, kept=0, draft_seconds=0.02 * probe, verify_seconds=0.2)
+    observe(policy, drafted=probe, kept=0, draft_seconds=0.02 * probe, verify_seconds=0.2)
     plain_rounds(policy, 2 * PROBE_AFTER)  # the probe found nothing: twice the wait
     assert policy.choose() > 0
 
@@ -133,9 +152,9 @@ def test_where_no_acceptance_could_pay_the_target_alone_never_probes():
 
 def test_rounds_teach_the_drafting_cost():
     policy = AutoK(max_k=4, costs=ForwardCosts({1: 0.1}))
-    policy.observe(drafted=4, kept=4, draft_seconds=0.4, verify_seconds=0.1)
+    observe(policy, drafted=4, kept=4, draft_seconds=0.4, verify_seconds=0.1)
     assert policy.draft_seconds == pytest.approx(0.1)
-    policy.observe(drafted=4, kept=4, draft_seconds=0.8, verify_seconds=0.1)
+    observe(policy, drafted=4, kept=4, draft_seconds=0.8, verify_seconds=0.1)
     assert policy.draft_seconds == pytest.approx(0.7 * 0.1 + 0.3 * 0.2)
 
 
@@ -179,10 +198,10 @@ def test_a_loose_keep_is_counted_only_where_the_window_could_fit():
     fall to about 0.3 here)."""
     policy = AutoK(max_k=15, costs=ForwardCosts({1: 0.1}), window=6)
     for _ in range(20):
-        policy.observe(drafted=15, kept=15, loose_positions=[0])
+        observe(policy, drafted=15, kept=15, loose_positions=[0])
     assert policy.rates(15)[0] > 0.95
     for _ in range(20):
-        policy.observe(drafted=4, kept=0)  # position 1 reached, missed, no window possible
+        observe(policy, drafted=4, kept=0)  # position 1 reached, missed, no window possible
     assert policy.rates(15)[0] > 0.75
     assert policy.rates(4)[0] < 0.2  # its exact rate did fall
 
@@ -352,3 +371,14 @@ def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("wait"))
     measure_block_costs(QueuedLM(), [1, 2, 3], [1, 2])
     assert calls == ["forward", "wait", "forward", "wait"]
+
+
+def test_the_controller_chooses_with_the_policy_of_the_kind_it_is_given():
+    """The loop says what kind of block comes next; only a block of the draft model costs
+    drafting time, so where drafting is dear the model's policy drafts nothing and a free
+    kind drafts."""
+    policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.1, 16: 0.15}), draft_token_seconds=1.0)
+    controller = RequestAutoK(policies, DecodeConfig(mode="spd", k=15, auto_k=True))
+    assert controller.choose("model", 15) == 0
+    assert controller.choose("prediction", 15) > 0
+    assert {key[-1] for key in policies.policies} == {"model", "prediction"}

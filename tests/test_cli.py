@@ -61,6 +61,9 @@ def assert_one_line_error(code, err, fragment):
         (["bench", "--backend", "llamacpp"], "through its llamacpp-* methods"),
         (["serve", "--engine", "vllm", "-k", "auto", "--dry-run"], "-k auto runs in flyspec"),
         (["generate", "x", "--backend", "llamacpp", "--dtype", "bfloat16"], "drop --device"),
+        (["generate", "x", "--threads", "-1"], "--threads must be >= 0"),
+        (["generate", "x", "--backend", "llamacpp", "--threads", "-2"], "--threads must be >= 0"),
+        (["bench", "--llamacpp-threads", "-1"], "--threads must be >= 0"),
         (
             ["generate", "x", "--dtype", "bfloat16", "--target-quant", "int8"],
             "choose one (--dtype float32, or --target-quant none)",
@@ -115,7 +118,7 @@ def test_pair_with_different_vocabularies_is_refused(capsys, tiny_pair, other_vo
 def generate_on_tiny_pair(capsys, tiny_pair, *extra):
     draft, target = tiny_pair
     return run_cli(
-        capsys, "generate", "def f", "--target", str(target), "--draft", str(draft), *extra
+        capsys, "generate", "def f", "--model", str(target), "--draft-model", str(draft), *extra
     )
 
 
@@ -207,6 +210,19 @@ def test_generate_streams_text_then_a_summary(capsys, tiny_pair, extra):
     assert "tokens in" in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize(("extra", "calls"), [([], []), (["--threads", "1"], [1])])
+def test_threads_set_torchs_threads_on_the_torch_backend(
+    capsys, monkeypatch, tiny_pair, extra, calls
+):
+    import flyspec.support.cpu_math
+
+    seen = []
+    monkeypatch.setattr(flyspec.support.cpu_math, "set_torch_threads", seen.append)
+    code, _, err = generate_on_tiny_pair(capsys, tiny_pair, "--max-tokens", "2", *extra)
+    assert code == 0, err
+    assert seen == calls
+
+
 def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pair, tmp_path):
     exact = ("--mode", "spd", "--drafter", "ngram", "--max-new-tokens", "16", "--json")
     plain = json.loads(generate_on_tiny_pair(capsys, tiny_pair, *exact)[1])
@@ -223,6 +239,18 @@ def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pa
         capsys, tiny_pair, "--mode", "spd", "--max-new-tokens", "4", "--prediction", str(prediction)
     )
     assert code == 0 and "of its drafted tokens kept" in err
+
+
+@pytest.mark.parametrize("extra", [["--json"], [], ["--compare-target", "--compare-pairs", "1"]])
+def test_a_prediction_past_the_context_is_a_one_line_error(capsys, tiny_pair, tmp_path, extra):
+    """Checked once, by the library, before any timed run."""
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text("x = 1\n" * 1024, encoding="utf-8")  # the tiny models hold 1024
+    code, _, err = generate_on_tiny_pair(
+        capsys, tiny_pair, "--mode", "spd", "--prediction", str(prediction), *extra
+    )
+    assert_one_line_error(code, err, "does not fit in the model's context")
+    assert "timing" not in err
 
 
 @pytest.mark.parametrize(

@@ -380,8 +380,7 @@ def test_mla_block_equals_the_draft_models_greedy_block(draft):
     mla_drafter = MlaDrafter(CachedLM(draft), proposals=6)
     block = mla_drafter.propose(context, 15)
     assert block.tokens.tolist() == plain.tokens.tolist()
-    assert mla_drafter.proposed > 0 and mla_drafter.kept > 0
-    assert mla_drafter.lm.forward_calls < 15
+    assert mla_drafter.lm.forward_calls < 15  # n-gram proposals kept: several tokens a forward
 
 
 def test_mla_without_any_ngram_takes_plain_steps(draft):
@@ -391,7 +390,7 @@ def test_mla_without_any_ngram_takes_plain_steps(draft):
     assert (
         block.tokens.tolist() == ModelDrafter(CachedLM(draft)).propose(context, 1).tokens.tolist()
     )
-    assert mla_drafter.proposed == 0
+    assert mla_drafter.lm.forward_calls == 1
 
 
 @pytest.mark.parametrize("drafter_class", [ModelDrafter, MlaDrafter])

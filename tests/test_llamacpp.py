@@ -18,23 +18,9 @@ from flyspec.engine import Engine
 from flyspec.errors import FlyspecError
 from flyspec.models.llamacpp import LlamaCppLM
 from flyspec.models.llamacpp_binding import require_llamacpp
-from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf
 
 VOCAB = 96
 PROMPT = "def fibonacci(n):\n    return"
-
-
-@pytest.fixture(scope="module")
-def tiny_ggufs(tmp_path_factory):
-    """``(tokenizer, draft model, target model, draft GGUF, target GGUF)``."""
-    folder = tmp_path_factory.mktemp("gguf")
-    tokenizer = make_tiny_tokenizer(VOCAB)
-    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    draft = make_tiny_model(vocab_size=VOCAB, seed=1, num_layers=1, **ids)
-    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
-    draft_path = save_tiny_gguf(folder / "draft.gguf", draft, tokenizer)
-    target_path = save_tiny_gguf(folder / "target.gguf", target, tokenizer)
-    return tokenizer, draft, target, draft_path, target_path
 
 
 @pytest.fixture
@@ -118,18 +104,6 @@ def test_the_config_checks_its_settings():
         LlamaCppConfig(threads=-1)
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_ggufs):
-    tokenizer, _, _, draft_path, target_path = tiny_ggufs
-    return Engine(
-        target_model=LlamaCppLM(target_path, context=512, threads=1),
-        draft_model=LlamaCppLM(draft_path, context=512, threads=1),
-        tokenizer=tokenizer,
-        target_name=str(target_path),
-        draft_name=str(draft_path),
-    )
-
-
 @pytest.mark.parametrize(
     "config",
     [
@@ -140,10 +114,12 @@ def tiny_engine(tiny_ggufs):
     ],
     ids=["spd", "mla", "ngram", "auto"],
 )
-def test_exact_speculative_decoding_on_llamacpp_equals_its_greedy_decoding(tiny_engine, config):
-    ids = tiny_engine.encode(PROMPT)
-    target = tiny_engine.generate(ids, config.with_updates(mode="target"))
-    speculative = tiny_engine.generate(ids, config)
+def test_exact_speculative_decoding_on_llamacpp_equals_its_greedy_decoding(
+    tiny_llamacpp_engine, config
+):
+    ids = tiny_llamacpp_engine.encode(PROMPT)
+    target = tiny_llamacpp_engine.generate(ids, config.with_updates(mode="target"))
+    speculative = tiny_llamacpp_engine.generate(ids, config)
     assert speculative.token_ids == target.token_ids
     assert len(target.token_ids) > 0
     assert max(r.drafted for r in speculative.stats.rounds) <= config.k
@@ -157,30 +133,30 @@ def test_exact_speculative_decoding_on_llamacpp_equals_its_greedy_decoding(tiny_
     ],
     ids=["ngram", "model-auto"],
 )
-def test_a_prediction_on_llamacpp_keeps_its_greedy_text(tiny_engine, config):
+def test_a_prediction_on_llamacpp_keeps_its_greedy_text(tiny_llamacpp_engine, config):
     """Predicted Outputs on llama.cpp's forwards: a prediction with two tokens changed gives
     the target's greedy tokens, with prompt lookup or the draft model behind it."""
-    ids = tiny_engine.encode(PROMPT)
-    greedy = tiny_engine.generate(ids, config.with_updates(mode="target")).token_ids
+    ids = tiny_llamacpp_engine.encode(PROMPT)
+    greedy = tiny_llamacpp_engine.generate(ids, config.with_updates(mode="target")).token_ids
     prediction = greedy[:12] + [greedy[12] + 1, greedy[13] + 1] + greedy[14:]
-    predicted = tiny_engine.generate(ids, config, prediction=prediction)
+    predicted = tiny_llamacpp_engine.generate(ids, config, prediction=prediction)
     assert predicted.token_ids == greedy
     assert predicted.stats.accepted_prediction_tokens > 0
 
 
-def test_the_engine_on_llamacpp_names_its_backend_and_ends_at_eos(tiny_engine, tiny_ggufs):
-    assert tiny_engine.backend == "llamacpp"
-    assert tiny_engine.kernels["backend"] == "llamacpp"
-    assert tiny_engine.kernels["threads"] == 1
-    assert tiny_engine.context_length == 512
-    assert tiny_engine.target_model is None
-    assert tiny_ggufs[0].eos_token_id in tiny_engine.decoder.eos_token_ids
-    result = tiny_engine.generate(PROMPT, DecodeConfig(mode="fly", k=5, max_new_tokens=12))
+def test_the_engine_on_llamacpp_names_its_backend_and_ends_at_eos(tiny_llamacpp_engine, tiny_ggufs):
+    assert tiny_llamacpp_engine.backend == "llamacpp"
+    assert tiny_llamacpp_engine.kernels["backend"] == "llamacpp"
+    assert tiny_llamacpp_engine.kernels["threads"] == 1
+    assert tiny_llamacpp_engine.context_length == 512
+    assert tiny_llamacpp_engine.target_model is None
+    assert tiny_ggufs[0].eos_token_id in tiny_llamacpp_engine.decoder.eos_token_ids
+    result = tiny_llamacpp_engine.generate(PROMPT, DecodeConfig(mode="fly", k=5, max_new_tokens=12))
     assert len(result.token_ids) <= 12
     assert result.stats.finish_reason in ("length", "stop")
 
 
-def test_fly_on_llamacpp_runs_the_same_rule_as_on_torch(tiny_ggufs, tiny_engine):
+def test_fly_on_llamacpp_runs_the_same_rule_as_on_torch(tiny_ggufs, tiny_llamacpp_engine):
     """The same tiny pair on both backends: FLy's verdicts read logits that agree to ~1e-3,
     so the committed tokens agree (the tiny models' logits are far apart)."""
     tokenizer, draft, target, _, _ = tiny_ggufs
@@ -188,10 +164,10 @@ def test_fly_on_llamacpp_runs_the_same_rule_as_on_torch(tiny_ggufs, tiny_engine)
     ids = tokenizer.encode(PROMPT)
     config = DecodeConfig(mode="fly", k=5, max_new_tokens=30)
     expected = [event.token for event in on_torch.stream(ids, config)]
-    assert [event.token for event in tiny_engine.decoder.stream(ids, config)] == expected
+    assert [event.token for event in tiny_llamacpp_engine.decoder.stream(ids, config)] == expected
 
 
-def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_engine):
+def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_llamacpp_engine):
     prompts = [BenchPrompt(id="a", raw=PROMPT), BenchPrompt(id="b", raw="for x in")]
     config = DecodeConfig(k=4, max_new_tokens=10)
     report = run_benchmark(
@@ -200,7 +176,7 @@ def test_the_bench_runs_llamacpp_beside_its_own_decoding(tiny_engine):
         ["llamacpp-target", "llamacpp-spd", "llamacpp-fly@auto", "llamacpp-ngram@2"],
         config,
         progress=False,
-        llamacpp_engine=tiny_engine,
+        llamacpp_engine=tiny_llamacpp_engine,
         baseline="llamacpp-target",
     )
     summaries = {s["method"]: s for s in report["methods"]}

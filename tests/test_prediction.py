@@ -191,6 +191,17 @@ def test_auto_k_keeps_estimates_per_kind_of_block(target):
     assert "prediction" in kinds
 
 
+def test_a_prediction_may_be_a_tensor_of_token_ids(target):
+    """With the draft model behind it: the decoder asks whether a prediction was given, never
+    a tensor's truth (ambiguous for more than one element)."""
+    expected = greedy(target, PROMPT_IDS, 20)
+    decoder = SpeculativeDecoder(target, target)
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=20)
+    prediction = torch.tensor(expected, dtype=torch.long)
+    tokens = [e.token for e in decoder.stream(PROMPT_IDS, config, prediction=prediction)]
+    assert tokens == expected
+
+
 def test_a_prediction_with_a_drafter_or_empty_is_refused(target):
     decoder = SpeculativeDecoder(target)
     config = DecodeConfig(mode="spd", drafter="ngram")

@@ -193,7 +193,7 @@ class ScriptedEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.draft_model = engine.draft_model
+        self.has_draft = engine.has_draft
         self.context_length = 1_000_000
         self.token_id = engine.tokenizer.convert_tokens_to_ids("a")
         self.reset()

@@ -182,7 +182,7 @@ class GatedEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.draft_model = engine.draft_model
+        self.has_draft = engine.has_draft
         self.context_length = engine.context_length
         self.entered = threading.Event()
         self.release = threading.Event()

@@ -154,6 +154,12 @@ class Engine:
         return None if self.decoder.draft is None else self.decoder.draft.model
 
     @property
+    def has_draft(self) -> bool:
+        """Whether a draft model is loaded, on either backend (the ``model`` and ``mla``
+        drafters need one)."""
+        return self.decoder.draft is not None
+
+    @property
     def context_length(self) -> int:
         """The most positions (prompt + generated) the target model supports."""
         if self.backend == "llamacpp":
@@ -281,9 +287,8 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prediction(self, prediction: str) -> list[int]:
-        """Token ids of a predicted answer (:func:`prediction_token_ids`)."""
-        if not prediction:
-            raise FlyspecError("the prediction is empty")
+        """Token ids of a predicted answer (:func:`prediction_token_ids`; an empty one is
+        refused where the request starts, by its drafter)."""
         return prediction_token_ids(self.tokenizer, prediction)
 
     def check_prediction(self, prompt_ids: Sequence[int], prediction_ids: Sequence[int]) -> None:

@@ -23,10 +23,13 @@ from flyspec.bench.methods import (
 )
 from flyspec.bench.prompts import DATASET_NAMES, BenchPrompt
 from flyspec.cli.options import (
+    add_backend_arguments,
+    add_chat_argument,
     add_decode_arguments,
     add_model_arguments,
     add_vllm_arguments,
     decode_config_from_args,
+    forward_threads,
     load_engine,
     load_llamacpp_engine,
     vllm_engine_spec,
@@ -44,9 +47,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "forward relative to a one-token forward.",
     )
     add_model_arguments(bench)
-    # Each method fixes its mode and drafter; stop strings and draft sampling do not apply.
-    add_decode_arguments(bench, leave_out=("mode", "drafter", "stop", "draft_temperature"))
-    bench.add_argument(
+    runs = bench.add_argument_group("what runs")
+    runs.add_argument(
         "--methods",
         default=None,
         help=f"comma-separated, from {', '.join(ALL_METHODS)} "
@@ -54,7 +56,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         f"{','.join(DEFAULT_VLLM_METHODS)}); the baseline (target, or vllm-target with "
         "--engine vllm) is always included",
     )
-    source = bench.add_mutually_exclusive_group()
+    source = runs.add_mutually_exclusive_group()
     source.add_argument(
         "--dataset", default="humaneval", choices=DATASET_NAMES, help="default: humaneval"
     )
@@ -62,31 +64,35 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--prompts-file",
         help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of a dataset',
     )
-    bench.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
-    bench.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the chat template (default: when the tokenizer has one)",
+    runs.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
+    add_chat_argument(
+        runs, default=None, help="apply the chat template (default: when the tokenizer has one)"
     )
-    bench.add_argument(
+    runs.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="passes over the prompts, each running every method once per prompt in a rotated "
+        "order (default 1); speeds and speedups are then medians with their range. With "
+        "--forward-cost: timed repeats per n (default 5)",
+    )
+    # Each method fixes its mode and drafter; stop strings and draft sampling do not apply.
+    add_decode_arguments(bench, leave_out=("mode", "drafter", "stop", "draft_temperature"))
+    output = bench.add_argument_group("output")
+    output.add_argument(
         "--output", help="output folder (default: results/bench-<dataset>-<timestamp>)"
     )
-    bench.add_argument("--json", action="store_true", help="also print the JSON report to stdout")
-    bench.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
-    )
-    bench.add_argument(
+    output.add_argument("--json", action="store_true", help="also print the JSON report to stdout")
+    output.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
-    add_vllm_arguments(bench)
-    bench.add_argument(
-        "--concurrency",
-        type=int,
-        default=1,
-        help="with --engine vllm: also measure each vLLM method's throughput with this many "
-        "requests in flight (default 1: batch 1 only)",
+    output.add_argument(
+        "--compare",
+        metavar="OLD_BENCH_JSON",
+        help="after the run, print each method's new/old speed ratio against this earlier "
+        "bench.json, marking changes larger than the noise",
     )
+    add_backend_arguments(bench)
     cost = bench.add_argument_group("forward cost")
     cost.add_argument(
         "--forward-cost",
@@ -96,19 +102,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
     cost.add_argument(
         "--context-tokens", type=int, default=200, help="KV cache length (default 200)"
     )
-    bench.add_argument(
-        "--repeats",
+    vllm = add_vllm_arguments(bench)
+    vllm.add_argument(
+        "--concurrency",
         type=int,
-        default=None,
-        help="passes over the prompts, each running every method once per prompt in a rotated "
-        "order (default 1); speeds and speedups are then medians with their range. With "
-        "--forward-cost: timed repeats per n (default 5)",
-    )
-    bench.add_argument(
-        "--compare",
-        metavar="OLD_BENCH_JSON",
-        help="after the run, print each method's new/old speed ratio against this earlier "
-        "bench.json, marking changes larger than the noise",
+        default=1,
+        help="with --engine vllm: also measure each vLLM method's throughput with this many "
+        "requests in flight (default 1: batch 1 only)",
     )
     bench.set_defaults(handler=run_bench)
     return bench
@@ -139,8 +139,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     if args.limit is not None and args.limit < 1:
         raise FlyspecError(f"--limit must be >= 1, got {args.limit}")
-    if args.threads is not None and args.threads < 1:
-        raise FlyspecError(f"--threads must be >= 1, got {args.threads}")
+    forward_threads(args)
     if (args.repeats is not None and args.repeats < 1) or args.context_tokens < 1:
         raise FlyspecError("--repeats and --context-tokens must be >= 1")
     if args.engine == "vllm" and (args.repeats or 1) > 1:
@@ -162,7 +161,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from flyspec.bench import run_benchmark
-    from flyspec.support.cpu_math import set_torch_threads
 
     _check_args(args)
     vllm_engine = args.engine == "vllm"
@@ -173,8 +171,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if in_vllm and not vllm_engine:
         raise FlyspecError(f"{', '.join(in_vllm)} run in vLLM: add --engine vllm")
     config = decode_config_from_args(args)
-    if args.threads is not None:
-        set_torch_threads(args.threads)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.forward_cost:
         output = Path(args.output or f"results/forward-cost-{stamp}")

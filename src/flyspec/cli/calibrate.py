@@ -43,18 +43,19 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "per problem, the target one more."
         ),
     )
-    add_evaluation_arguments(parser, rules=GRID, limit=CALIBRATION_SPLIT)
-    parser.add_argument(
+    choice = parser.add_argument_group("the choice")
+    choice.add_argument(
         "--min-recovery",
         type=number,
         default=DEFAULT_MIN_RECOVERY,
         help="percent of the target's score a rule must keep on every task (default 99)",
     )
-    parser.add_argument(
+    choice.add_argument(
         "--no-save",
         action="store_true",
         help="report the choice without making it the pair's default",
     )
+    add_evaluation_arguments(parser, rules=GRID, limit=CALIBRATION_SPLIT)
     parser.set_defaults(handler=run_calibrate)
     return parser
 

@@ -10,17 +10,22 @@ from pathlib import Path
 
 from flyspec import config as cfg
 from flyspec.cli.options import (
-    LOOSENING_OPTIONS,
+    PROMPT_STYLE_CHAT,
+    Option,
+    add_backend_arguments,
+    add_chat_argument,
     add_decode_arguments,
     add_model_arguments,
+    add_option,
     add_vllm_arguments,
     decode_config_from_args,
     load_engine,
+    max_tokens_option,
     say,
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
-from flyspec.evaluation.run import DEFAULT_TASKS, PROMPT_STYLES, TASKS
+from flyspec.evaluation.run import DEFAULT_TASKS, TASKS
 
 DEFAULT_MODES = "target,spd,fly"
 
@@ -49,118 +54,138 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "an interrupted run resumes."
         ),
     )
-    parser.add_argument(
-        "--modes",
-        "--mode",
-        dest="modes",
-        default=DEFAULT_MODES,
-        help=f"comma-separated methods among {', '.join(cfg.MODES)} (default {DEFAULT_MODES})",
+    add_evaluation_arguments(
+        parser, rules=PAPER_RULE, limit="humaneval 40, gsm8k 40", modes=DEFAULT_MODES
     )
-    add_evaluation_arguments(parser, rules=PAPER_RULE, limit="humaneval 40, gsm8k 40")
     parser.set_defaults(handler=run_eval)
     return parser
 
 
 def add_evaluation_arguments(
-    parser: argparse.ArgumentParser, *, rules: dict[str, str], limit: str
+    parser: argparse.ArgumentParser,
+    *,
+    rules: dict[str, str],
+    limit: str,
+    modes: str | None = None,
 ) -> None:
     """The options ``eval`` and ``calibrate`` share: models, decoding, the FLy rules as lists
     (``rules``: their defaults; every combination is its own FLy method), tasks, problems
-    (``limit``: the default's description), output, cache and sandbox limits."""
+    (``limit``: the default's description), output, cache and sandbox limits; ``modes``: the
+    default of --modes, the methods compared (None: the command fixes them, no option).
+
+    The lists have plural names (--modes, --thetas, --defers, ...); their singular names, which
+    mean one value in the other commands, are kept as hidden aliases that still read a list."""
     add_model_arguments(parser)
-    add_decode_arguments(
-        parser, leave_out=("mode", "max_new_tokens", "no_calibration", *LOOSENING_OPTIONS)
-    )
-    parser.add_argument(
-        "--theta",
-        default=rules["theta"],
-        help=f"FLy entropy threshold(s), comma-separated, e.g. 0,0.3 (default {rules['theta']}); "
-        "every combination of the rule's settings is its own fly method",
-    )
-    parser.add_argument(
-        "--window",
-        default=rules["window"],
-        help=f"FLy deferred window(s) W, comma-separated, e.g. 0,4,6 (default {rules['window']})",
-    )
-    parser.add_argument(
-        "--min-ratio",
-        default=rules["min_ratio"],
-        help="FLy plausibility floor(s): least target probability of the draft token relative "
-        f"to the target's top token, comma-separated, e.g. 0,0.1 (default {rules['min_ratio']}; "
-        "0: off)",
-    )
-    parser.add_argument(
-        "--max-rank",
-        default=rules["max_rank"],
-        help="FLy plausibility floor(s): the draft token among the target's top N, "
-        f"comma-separated (default {rules['max_rank']}; 0: off)",
-    )
-    parser.add_argument(
-        "--max-draft-confidence",
-        default=rules["max_draft_confidence"],
-        help="FLy draft's doubt: loosen only where the draft model gave its own token at most "
-        f"this probability, comma-separated, e.g. 1,0.5 (default {rules['max_draft_confidence']}; "
-        "1: off)",
-    )
-    parser.add_argument(
-        "--defer",
-        default=rules["defer"],
-        help=f"FLy deferral across blocks: off, on, or off,on for both (default {rules['defer']})",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="token budget per generation (default: humaneval 384, humaneval-edit 512, gsm8k 384)",
-    )
-    parser.add_argument(
-        "--task",
+    tasks = parser.add_argument_group("tasks")
+    add_option(
+        tasks,
+        "--tasks",
+        aliases=("--task",),
+        dest="task",
         action="append",
         default=None,
         help="humaneval, humaneval-edit (edits of working code, with Predicted Outputs) and/or "
         "gsm8k, comma-separated or repeated (default: humaneval and gsm8k)",
     )
-    parser.add_argument(
+    tasks.add_argument(
         "--limit",
         default=None,
         help="first N problems of each task, or per task as humaneval=N,gsm8k=M; START:END "
         f"takes problems START to END-1, e.g. humaneval=40:100 (default: {limit})",
     )
-    parser.add_argument(
-        "--prompt-style",
-        default="auto",
-        choices=PROMPT_STYLES,
-        help="chat template or raw completion prompts (default auto: chat when the "
-        "tokenizer has a template)",
+    add_chat_argument(
+        tasks,
+        default=None,
+        help="chat template or raw completion prompts (default: chat when the tokenizer has "
+        "a template)",
+        prompt_style_alias=True,
     )
-    parser.add_argument(
+    lists: dict[str, Option] = {
+        "theta": _rule_list(
+            "theta",
+            rules,
+            "FLy entropy thresholds, comma-separated, e.g. 0,0.3 (default {}); every "
+            "combination of the rule's settings is its own fly method",
+        ),
+        "window": _rule_list(
+            "window", rules, "FLy deferred windows W, comma-separated, e.g. 0,4,6 (default {})"
+        ),
+        "min_ratio": _rule_list(
+            "min_ratio",
+            rules,
+            "plausibility floors: least target probability of the draft token relative to the "
+            "target's top token, comma-separated, e.g. 0,0.1 (default {}; 0: off)",
+        ),
+        "max_rank": _rule_list(
+            "max_rank",
+            rules,
+            "plausibility floors: the draft token among the target's top N, comma-separated "
+            "(default {}; 0: off)",
+        ),
+        "max_draft_confidence": _rule_list(
+            "max_draft_confidence",
+            rules,
+            "the draft's doubt: loosen only where the draft model gave its own token at most "
+            "this probability, comma-separated, e.g. 1,0.5 (default {}; 1: off)",
+        ),
+        "defer": _rule_list(
+            "defer", rules, "deferral across blocks: off, on, or off,on for both (default {})"
+        ),
+        "max_new_tokens": max_tokens_option(
+            default=None,
+            help="token budget per generation (default: humaneval 384, humaneval-edit 512, "
+            "gsm8k 384)",
+        ),
+    }
+    if modes is not None:
+        lists["mode"] = (
+            ("--modes",),
+            dict(
+                aliases=("--mode",),
+                dest="modes",
+                default=modes,
+                help=f"comma-separated methods among {', '.join(cfg.MODES)} (default {modes})",
+            ),
+        )
+    add_decode_arguments(parser, leave_out=("mode", "no_calibration"), replace=lists)
+    output = parser.add_argument_group("output, cache and sandbox")
+    output.add_argument(
         "--output",
         type=Path,
         default=None,
         help=f"output folder (default results/{parser.prog.split()[-1]}-<time>)",
     )
-    parser.add_argument(
+    output.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
         help="generation cache folder (default $FLYSPEC_HOME/eval-cache)",
     )
-    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
-    parser.add_argument(
+    output.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    output.add_argument(
         "--exec-timeout",
         type=float,
         default=10.0,
         help="wall-clock limit per HumanEval program, seconds (default 10)",
     )
-    parser.add_argument(
+    output.add_argument(
         "--exec-memory-mb",
         type=int,
         default=1024,
         help="memory budget per HumanEval run, all its processes together (and address-space "
         "limit of each), MiB (default 1024)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_backend_arguments(parser)
     add_vllm_arguments(parser)
+
+
+def _rule_list(dest: str, rules: dict[str, str], help: str) -> Option:
+    """A FLy rule option as a list: its name in the plural, the singular (one value in the
+    other commands) kept as a hidden alias; ``help`` with ``{}`` for the default."""
+    flag = "--" + dest.replace("_", "-")
+    settings = dict(aliases=(flag,), dest=dest, default=rules[dest], help=help.format(rules[dest]))
+    return (f"{flag}s",), settings
 
 
 def _split(values: list[str] | str | None) -> list[str]:
@@ -205,7 +230,7 @@ def _switches(text: str) -> list[bool]:
     values = {"off": False, "on": True}
     items = _split(text)
     if not items or any(item not in values for item in items):
-        raise FlyspecError(f"--defer takes off, on or off,on, got {text!r}")
+        raise FlyspecError(f"--defers takes off, on or off,on, got {text!r}")
     return [values[item] for item in items]
 
 
@@ -222,12 +247,12 @@ def evaluation_settings(args: argparse.Namespace, modes: list[str], *, limit: st
     if not modes:
         raise FlyspecError("--modes needs at least one method")
     rules = {
-        "theta": _numbers(args.theta, float, "--theta"),
-        "window": _numbers(args.window, int, "--window"),
-        "min_ratio": _numbers(args.min_ratio, float, "--min-ratio"),
-        "max_rank": _numbers(args.max_rank, int, "--max-rank"),
+        "theta": _numbers(args.theta, float, "--thetas"),
+        "window": _numbers(args.window, int, "--windows"),
+        "min_ratio": _numbers(args.min_ratio, float, "--min-ratios"),
+        "max_rank": _numbers(args.max_rank, int, "--max-ranks"),
         "max_draft_confidence": _numbers(
-            args.max_draft_confidence, float, "--max-draft-confidence"
+            args.max_draft_confidence, float, "--max-draft-confidences"
         ),
         "defer": _switches(args.defer),
     }
@@ -242,7 +267,7 @@ def evaluation_settings(args: argparse.Namespace, modes: list[str], *, limit: st
         methods=build_methods(modes, base.fly, rules),  # every combination validated
         limits=_limits(args.limit or limit),
         max_new_tokens=args.max_new_tokens,
-        prompt_style=args.prompt_style,
+        prompt_style=next(style for style, chat in PROMPT_STYLE_CHAT.items() if chat is args.chat),
         cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()),
         exec_timeout_s=args.exec_timeout,
         exec_memory_mb=args.exec_memory_mb,

@@ -11,9 +11,12 @@ from collections.abc import Sequence
 
 from flyspec import config as cfg
 from flyspec.cli.options import (
+    add_backend_arguments,
+    add_chat_argument,
     add_decode_arguments,
     add_model_arguments,
     decode_config_from_args,
+    forward_threads,
     load_engine,
     say,
 )
@@ -36,39 +39,42 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     generate.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     add_model_arguments(generate)
-    add_decode_arguments(generate)
-    generate.add_argument(
-        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    prompt = generate.add_argument_group("prompt")
+    add_chat_argument(
+        prompt, default=False, help="wrap the prompt in the tokenizer's chat template (default: no)"
     )
-    generate.add_argument(
+    prompt.add_argument(
         "--prediction",
         metavar="FILE",
         help="a file holding text the answer is expected to largely repeat, such as the code "
         "being edited ('-' reads standard input): drafts come from it first (Predicted Outputs)",
     )
-    output = generate.add_mutually_exclusive_group()
-    output.add_argument(
+    add_decode_arguments(generate)
+    output = generate.add_argument_group("output")
+    shown = output.add_mutually_exclusive_group()
+    shown.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with text, token_ids and stats instead of streaming",
     )
-    output.add_argument(
+    shown.add_argument(
         "--show",
         action="store_true",
         help="colour each token by how it was obtained (exact, loose, correction, bonus)",
     )
-    generate.add_argument(
+    output.add_argument(
         "--compare-target",
         action="store_true",
         help="also time the target alone on the same prompt, alternating with the chosen "
         "method, and report the speedup (median and range) and whether the machine was busy",
     )
-    generate.add_argument(
+    output.add_argument(
         "--compare-pairs",
         type=int,
         default=2,
         help="with --compare-target: timed runs of each, alternated (default 2)",
     )
+    add_backend_arguments(generate)
     generate.set_defaults(handler=run_generate)
     return generate
 
@@ -85,10 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise FlyspecError(f"--compare-pairs must be >= 1, got {args.compare_pairs}")
     engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
     prompt_ids = engine.encode(prompt, chat=args.chat)
-    prediction_ids = None
-    if prediction is not None:
-        prediction_ids = engine.encode_prediction(prediction)
-        engine.check_prediction(prompt_ids, prediction_ids)
+    prediction_ids = None if prediction is None else engine.encode_prediction(prediction)
     comparison = None
     if args.compare_target:
         comparison = TargetComparison(
@@ -164,7 +167,7 @@ class TargetComparison:
     ):
         """Warm up, then run every timed generation but the last (shown) one (the method
         with ``prediction``, the target alone without)."""
-        warm_up(engine, prompt_ids, config)
+        warm_up(engine, prompt_ids, config, prediction=prediction)
         self.mode = config.mode
         plain = self.plain_llamacpp
         if plain is not None:
@@ -289,7 +292,7 @@ def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
         return LlamaCppOwnMethod(
             "llamacpp-target",
             gguf=path,
-            threads=args.llamacpp_threads,
+            threads=forward_threads(args),
             context=args.llamacpp_context,
             eos_token_ids=engine.decoder.eos_token_ids,
             config=config,
@@ -334,7 +337,14 @@ def read_prediction(argument: str) -> str:
     return text
 
 
-def warm_up(engine, prompt_ids: Sequence[int], config: cfg.DecodeConfig) -> None:
-    """A few tokens in each mode first, so one-time costs do not bias the comparison."""
-    for mode in ("target", config.mode):
-        engine.generate(prompt_ids, config.with_updates(mode=mode, max_new_tokens=2))
+def warm_up(
+    engine,
+    prompt_ids: Sequence[int],
+    config: cfg.DecodeConfig,
+    *,
+    prediction: Sequence[int] | None = None,
+) -> None:
+    """A few tokens in each mode first, so one-time costs do not bias the comparison (and a
+    prediction the request cannot take is refused before any timed run)."""
+    engine.generate(prompt_ids, config.with_updates(mode="target", max_new_tokens=2))
+    engine.generate(prompt_ids, config.with_updates(max_new_tokens=2), prediction=prediction)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from flyspec import config as cfg
 from flyspec.errors import FlyspecError
@@ -46,37 +46,76 @@ def block_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"not an integer or auto: {text!r}") from None
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--target/--draft/--device/--dtype and the CPU kernels, shared by every command that
-    loads models."""
-    parser.add_argument(
-        "--target", help="target model: folder, .gguf file or cached hub id (default: embedded)"
+def add_option(container, *flags: str, aliases: Sequence[str] = (), **settings) -> argparse.Action:
+    """Add an option to ``container`` (a parser or an argument group) under ``flags``, and its
+    former names ``aliases`` hidden from help: they write the same destination, so command
+    lines written with them keep working."""
+    action = container.add_argument(*flags, **settings)
+    if aliases:
+        shared = {
+            key: value
+            for key, value in settings.items()
+            if key not in ("default", "dest", "help", "metavar")
+        }
+        container.add_argument(
+            *aliases, **shared, dest=action.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+    return action
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The model group (--model, --draft-model) of every command that loads models; returns
+    it, for a command's own model options."""
+    group = parser.add_argument_group("model")
+    add_option(
+        group,
+        "--model",
+        aliases=("--target",),
+        dest="target",
+        metavar="MODEL",
+        help="target model: folder, .gguf file or cached hub id (default: the embedded pair's)",
     )
-    parser.add_argument(
-        "--draft", help="draft model: folder, .gguf file or cached hub id (default: embedded)"
+    add_option(
+        group,
+        "--draft-model",
+        aliases=("--draft",),
+        dest="draft",
+        metavar="MODEL",
+        help="draft model: folder, .gguf file or cached hub id (default: the embedded pair's)",
     )
-    parser.add_argument(
+    return group
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs the forwards (--backend, --device, --dtype, --threads, ...) and the CPU
+    kernels, shared by every command that loads models."""
+    group = parser.add_argument_group("backend (what runs the forwards)")
+    group.add_argument(
         "--backend",
         default="torch",
         choices=cfg.BACKENDS,
-        help="what runs the forwards: torch (default; any Hugging Face model, any device) or "
-        "llamacpp (GGUF files on the CPU through llama-cpp-python: --target/--draft name .gguf "
-        "files, by default the pair's from `flyspec models pull --gguf`)",
+        help="torch (default; any Hugging Face model, any device) or llamacpp (GGUF files on "
+        "the CPU through llama-cpp-python: --model/--draft-model name .gguf files, by default "
+        "the pair's from `flyspec models pull --gguf`)",
     )
-    parser.add_argument(
-        "--llamacpp-threads",
+    group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
+    add_option(
+        group,
+        "--threads",
+        aliases=("--llamacpp-threads",),
+        metavar="N",
         type=int,
         default=0,
-        help="llama.cpp's threads (default 0: every core this process may use)",
+        help="threads of the forwards, torch's or llama.cpp's (default 0: torch's choice, or "
+        "every core this process may use on llama.cpp)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--llamacpp-context",
         type=int,
         default=cfg.LlamaCppConfig().context,
         help="tokens of context llama.cpp allocates (default 8192)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
     defaults = cfg.KernelConfig()
     kernels = parser.add_argument_group("CPU kernels (applied to the models after loading)")
     kernels.add_argument(
@@ -112,6 +151,45 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def forward_threads(args: argparse.Namespace) -> int:
+    """--threads, checked (FlyspecError): 0 leaves the choice to the backend."""
+    if args.threads < 0:
+        raise FlyspecError(f"--threads must be >= 0 (0: the backend's choice), got {args.threads}")
+    return args.threads
+
+
+def add_chat_argument(
+    container, *, default: bool | None, help: str, prompt_style_alias: bool = False
+) -> None:
+    """--chat/--no-chat: whether prompts go through the tokenizer's chat template (None: when
+    it has one). ``prompt_style_alias``: also the former --prompt-style auto|chat|raw."""
+    container.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=default, help=help
+    )
+    if prompt_style_alias:
+        container.add_argument(
+            "--prompt-style",
+            type=prompt_style,
+            dest="chat",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+
+PROMPT_STYLE_CHAT = {"auto": None, "chat": True, "raw": False}
+"""The former --prompt-style's values, as --chat/--no-chat's."""
+
+
+def prompt_style(text: str) -> bool | None:
+    """argparse type of the former --prompt-style: what --chat/--no-chat would set."""
+    try:
+        return PROMPT_STYLE_CHAT[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"choose from {', '.join(PROMPT_STYLE_CHAT)}, got {text!r}"
+        ) from None
+
+
 def kernel_config_from_args(args: argparse.Namespace) -> cfg.KernelConfig:
     return cfg.KernelConfig(
         linear=args.linear,
@@ -122,16 +200,19 @@ def kernel_config_from_args(args: argparse.Namespace) -> cfg.KernelConfig:
 
 
 def load_engine(args: argparse.Namespace, *, with_draft: bool):
-    """Load the model pair named by --target/--draft with the chosen kernels, reporting
-    progress on stderr."""
+    """Load the model pair named by --model/--draft-model with the chosen kernels and threads,
+    reporting progress on stderr."""
     import torch
 
     from flyspec.engine import Engine
+    from flyspec.support.cpu_math import set_torch_threads
 
     started = time.perf_counter()
     say(f"loading models{' (target only)' if not with_draft else ''} ...")
-    if getattr(args, "backend", "torch") == "llamacpp":
+    if args.backend == "llamacpp":
         return load_llamacpp_engine(args, with_draft=with_draft)
+    if forward_threads(args):
+        set_torch_threads(args.threads)
     engine = Engine.load(
         target=args.target,
         draft=args.draft,
@@ -150,7 +231,7 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
 
 
 def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
-    """The pair named by --target/--draft (the default pair's GGUF files) on llama.cpp."""
+    """The pair named by --model/--draft-model (the default pair's GGUF files) on llama.cpp."""
     from flyspec.engine import Engine
 
     if args.device not in ("cpu", "auto") or args.dtype != "float32":
@@ -164,7 +245,7 @@ def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
         draft=args.draft,
         with_draft=with_draft,
         backend="llamacpp",
-        llamacpp=cfg.LlamaCppConfig(context=args.llamacpp_context, threads=args.llamacpp_threads),
+        llamacpp=cfg.LlamaCppConfig(context=args.llamacpp_context, threads=forward_threads(args)),
     )
     kernels = engine.kernels
     say(
@@ -174,8 +255,9 @@ def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
     return engine
 
 
-def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
-    """--engine and the settings of a vLLM engine (``--engine vllm``; the FLy plugin)."""
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--engine and the settings of a vLLM engine (``--engine vllm``; the FLy plugin), in a
+    group of their own, returned for a command's own vLLM options."""
     group = parser.add_argument_group("vLLM engine (--engine vllm)")
     group.add_argument(
         "--engine",
@@ -202,11 +284,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096,
         help="vLLM's context length per request (default 4096; it sizes the KV cache)",
     )
+    return group
 
 
 def vllm_engine_spec(args: argparse.Namespace, config: cfg.DecodeConfig, *, mode: str):
     """The vLLM engine for these arguments in ``mode`` (the embedded default pair where
-    --target/--draft are not given)."""
+    --model/--draft-model are not given)."""
     from flyspec.integrations.vllm.launch import VllmEngineSpec, native_fly_version, require_vllm
 
     if config.auto_k:
@@ -243,39 +326,73 @@ RULE_OPTIONS = (*LOOSENING_OPTIONS, "entropy")
 """Every field of :class:`flyspec.config.FlyConfig`, by destination: what a calibration sets."""
 
 
-_Option = tuple[tuple[str, ...], dict]
-"""An option's flags and the keyword arguments of its ``add_argument``."""
+Option = tuple[tuple[str, ...], dict]
+"""An option's flags and the keyword arguments of its :func:`add_option`."""
+
+
+DECODE_SECTIONS = {
+    "speculation": "speculation (the method, its drafter, its block length and FLy's rule)",
+    "beyond the paper": "FLy's rule beyond the paper (docs/rules.md; each off by default)",
+    "sampling": "sampling",
+    "length": "length (where a generation ends)",
+}
+"""The argument groups of the decoding options, by key, with their titles."""
 
 
 def add_decode_arguments(
-    parser: argparse.ArgumentParser, *, leave_out: Collection[str] = ()
-) -> None:
-    """The decoding settings of :class:`flyspec.config.DecodeConfig`, but those whose
-    destination is in ``leave_out`` (a command that fixes them, or takes them in another form).
+    parser: argparse.ArgumentParser,
+    *,
+    leave_out: Collection[str] = (),
+    replace: Mapping[str, Option] | None = None,
+) -> dict[str, argparse._ArgumentGroup]:
+    """The decoding settings of :class:`flyspec.config.DecodeConfig` in the argument groups of
+    :data:`DECODE_SECTIONS` (returned by key, for a command's own options), but those whose
+    destination is in ``leave_out`` (a command that fixes them) and those ``replace`` gives in
+    another form, by destination, in their place (``eval``'s lists).
     :func:`decode_config_from_args` gives the ones left out the config's defaults."""
-    options = [
-        *_method_options(),
-        *_fly_rule_options(),
-        *_sampling_options(),
-        *_length_options(),
-    ]
-    if set(RULE_OPTIONS) <= set(leave_out):
+    replace = replace or {}
+    sections = {
+        "speculation": [*_method_options(), *_fly_rule_options()],
+        "beyond the paper": _beyond_paper_options(),
+        "sampling": _sampling_options(),
+        "length": _length_options(),
+    }
+    if set(RULE_OPTIONS) <= {*leave_out, *replace}:
         leave_out = {*leave_out, "no_calibration"}  # nothing left for a calibration to set
-    for flags, settings in options:
-        if flags[-1].removeprefix("--").replace("-", "_") not in leave_out:
-            parser.add_argument(*flags, **settings)
+    groups = {}
+    for key, options in sections.items():
+        groups[key] = group = parser.add_argument_group(DECODE_SECTIONS[key])
+        for flags, settings in options:
+            dest = option_dest(flags, settings)
+            if dest in replace:
+                flags, settings = replace[dest]
+            elif dest in leave_out:
+                continue
+            add_option(group, *flags, **settings)
+    return groups
 
 
-def _method_options() -> list[_Option]:
+def option_dest(flags: Sequence[str], settings: Mapping[str, object]) -> str:
+    """The destination argparse gives an option: its ``dest``, else its first long flag's."""
+    if "dest" in settings:
+        return str(settings["dest"])
+    first = next(flag for flag in flags if flag.startswith("--"))
+    return first.removeprefix("--").replace("-", "_")
+
+
+def _method_options() -> list[Option]:
     """The decoding method, its drafter and the length of its draft blocks."""
     return [
         (("--mode",), dict(default="fly", choices=cfg.MODES, help="default: fly")),
         (("--drafter",), dict(default="model", choices=cfg.DRAFTERS, help="default: model")),
         (
-            ("-k", "--k"),
+            ("-k", "--num-speculative-tokens"),
             dict(
+                aliases=("--k",),
+                dest="k",
                 type=block_size,
                 default=cfg.DEFAULT_K,
+                metavar="K",
                 help="draft block length (default 15), or auto: chosen every round from 0 (the "
                 "target alone) to 15 for the most expected tokens per second",
             ),
@@ -283,8 +400,9 @@ def _method_options() -> list[_Option]:
     ]
 
 
-def _fly_rule_options() -> list[_Option]:
-    """FLy's loosening rule, and where it comes from (the pair's calibration or the paper)."""
+def _fly_rule_options() -> list[Option]:
+    """FLy's loosening rule as the paper gives it, and where it comes from (the pair's
+    calibration or the paper)."""
     return [
         (
             ("--window",),
@@ -312,6 +430,29 @@ def _fly_rule_options() -> list[_Option]:
                 help="gate entropy (default top3, or the pair's calibrated rule)",
             ),
         ),
+        (
+            ("--loosen-predicted",),
+            dict(
+                action="store_true",
+                help="with a prediction (Predicted Outputs): FLy's rule applies to the tokens "
+                "drafted from it too (default: they are verified exactly)",
+            ),
+        ),
+        (
+            ("--no-calibration",),
+            dict(
+                action="store_true",
+                help="FLy's defaults are the paper's even where `flyspec calibrate` saved a "
+                "rule for this pair",
+            ),
+        ),
+    ]
+
+
+def _beyond_paper_options() -> list[Option]:
+    """The rules beyond the paper (docs/rules.md): plausibility floors, the draft's doubt and
+    deferral across blocks."""
+    return [
         (
             ("--min-ratio",),
             dict(
@@ -351,26 +492,10 @@ def _fly_rule_options() -> list[_Option]:
                 "default off, or the pair's calibrated rule)",
             ),
         ),
-        (
-            ("--loosen-predicted",),
-            dict(
-                action="store_true",
-                help="with a prediction (Predicted Outputs): FLy's rule applies to the tokens "
-                "drafted from it too (default: they are verified exactly)",
-            ),
-        ),
-        (
-            ("--no-calibration",),
-            dict(
-                action="store_true",
-                help="FLy's defaults are the paper's even where `flyspec calibrate` saved a "
-                "rule for this pair",
-            ),
-        ),
     ]
 
 
-def _sampling_options() -> list[_Option]:
+def _sampling_options() -> list[Option]:
     """How the target and the draft pick their tokens, and where a draft block ends early."""
     return [
         (
@@ -400,18 +525,32 @@ def _sampling_options() -> list[_Option]:
     ]
 
 
-def _length_options() -> list[_Option]:
+def _length_options() -> list[Option]:
     """Where a generation ends: its token budget and its stop strings."""
     return [
-        (
-            ("--max-new-tokens",),
-            dict(type=int, default=cfg.DEFAULT_MAX_NEW_TOKENS, help="default 128"),
+        max_tokens_option(
+            default=cfg.DEFAULT_MAX_NEW_TOKENS,
+            help=f"most tokens generated (default {cfg.DEFAULT_MAX_NEW_TOKENS})",
         ),
         (
             ("--stop",),
             dict(action="append", default=[], help="stop string (repeatable), not emitted"),
         ),
     ]
+
+
+def max_tokens_option(*, default: int | None, help: str) -> Option:
+    """--max-tokens (the token budget, ``max_new_tokens``), its former name --max-new-tokens
+    kept as a hidden alias."""
+    settings = dict(
+        aliases=("--max-new-tokens",),
+        dest="max_new_tokens",
+        metavar="N",
+        type=int,
+        default=default,
+        help=help,
+    )
+    return ("--max-tokens",), settings
 
 
 def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConfig:

@@ -11,8 +11,10 @@ import sys
 from typing import Any
 
 from flyspec.cli.options import (
+    add_backend_arguments,
     add_decode_arguments,
     add_model_arguments,
+    add_option,
     add_vllm_arguments,
     decode_config_from_args,
     load_engine,
@@ -43,79 +45,86 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
             "/health, /metrics). The decoding options below are the defaults of requests that "
             "do not set mode, drafter, k, window, theta, temperature, ... themselves; "
-            "--max-new-tokens is the default max_tokens."
+            "--max-tokens is the default max_tokens."
         ),
     )
-    serve.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8000)")
-    add_model_arguments(serve)
-    serve.add_argument(
+    model = add_model_arguments(serve)
+    model.add_argument(
         "--no-draft",
         action="store_true",
         help="do not load the draft model (only mode 'target' and the ngram drafter then work)",
     )
-    add_decode_arguments(serve)
-    serve.add_argument(
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8000)")
+    add_option(
+        server,
+        "--served-model-name",
+        aliases=("--model-name",),
+        dest="model_name",
+        metavar="NAME",
+        help="model id served in /v1/models (default: the target's name)",
+    )
+    server.add_argument(
         "--queue-size",
         type=int,
         default=DEFAULT_QUEUE_SIZE,
         help="requests that may wait while one generates; more are answered 429 (default 8)",
     )
-    serve.add_argument(
+    server.add_argument(
         "--request-timeout",
         type=float,
         default=DEFAULT_REQUEST_TIMEOUT,
         help="seconds from arrival (waiting included) after which a generation is stopped and "
         "answered with finish_reason 'length' (default 600)",
     )
-    serve.add_argument(
-        "--model-name", help="model id served in /v1/models (default: the target's name)"
-    )
-    serve.add_argument(
+    server.add_argument(
         "--api-key",
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); "
         f"default: the {API_KEY_ENV} environment variable, which keeps the key out of the "
         "process list; no key when neither is set",
     )
-    serve.add_argument(
+    server.add_argument(
         "--metrics-require-key",
         action="store_true",
         help="require the API key on /metrics too (default: /metrics is open, like /health)",
     )
-    serve.add_argument(
+    server.add_argument(
         "--docs",
         action="store_true",
         help="serve /docs, /redoc and /openapi.json (default: off; they are open to anyone "
         "even with an API key)",
     )
-    serve.add_argument(
+    server.add_argument(
         "--max-body-bytes",
         type=byte_size,
         metavar="SIZE",
         help="largest request body; bigger ones are answered 413. A byte count, or with a "
         "K, M or G suffix (KiB, MiB, GiB) (default 4M)",
     )
-    serve.add_argument(
+    server.add_argument(
         "--max-messages",
         type=int,
         metavar="N",
         help=f"most messages in one chat request; more are answered 400 "
         f"(default {DEFAULT_MAX_MESSAGES})",
     )
-    serve.add_argument(
+    server.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default info)",
     )
-    add_vllm_arguments(serve)
-    serve.add_argument(
+    add_decode_arguments(serve)
+    add_backend_arguments(serve)
+    vllm = add_vllm_arguments(serve)
+    vllm.add_argument(
         "--vllm-args",
         default="",
         help="further arguments for `vllm serve`, as one quoted string (--engine vllm)",
     )
-    serve.add_argument(
+    vllm.add_argument(
         "--dry-run",
         action="store_true",
         help="print the vLLM server command (with the environment it sets) and start nothing "
@@ -240,7 +249,7 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
     """Replace this process with vLLM's OpenAI server, FLy plugin on in ``fly`` mode. The
     decoding flags map onto vLLM's: mode and drafter onto the speculative config, K onto
     num_speculative_tokens, W/theta/entropy onto the plugin's settings, and temperature,
-    top-k, top-p and --max-new-tokens onto the requests' defaults."""
+    top-k, top-p and --max-tokens onto the requests' defaults."""
     import shlex
 
     from flyspec.integrations.vllm.launch import (

@@ -196,21 +196,6 @@ class AutoK:
             for k in range(1, top + 1)
         )
 
-    def observe(
-        self,
-        *,
-        drafted: int,
-        kept: int,
-        loose_positions: Iterable[int] = (),
-        draft_seconds: float = 0.0,
-        verify_seconds: float = 0.0,
-    ) -> None:
-        """Fold in one round whose verdict is final: its costs and its acceptance."""
-        self.observe_costs(
-            drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
-        )
-        self.observe_acceptance(drafted=drafted, kept=kept, loose_positions=loose_positions)
-
     def observe_costs(
         self, *, drafted: int, draft_seconds: float = 0.0, verify_seconds: float = 0.0
     ) -> None:
@@ -303,37 +288,23 @@ class AutoKPolicies:
 
 class RequestAutoK:
     """``-k auto``'s controller within one request: before each round, the policy of the kind
-    of block the drafter plans (its ``plan(context)``, else the configured drafter's kind)
-    chooses K; after it, that policy learns the round's costs and, once committed, its
-    acceptance. A deferred window is settled by the next round: the policy that chose the
-    deferring round learns it then.
-
-    ``draft_lm``: the draft model, given where it drafts the blocks of kind ``model``; it
-    reads only what it drafts after, so before such a block it first catches up on the
-    context it skipped (:func:`catch_up`), in seconds kept as :attr:`catch_up_seconds`,
-    apart from the per-token drafting cost that chooses the block.
+    of block the next round drafts (``model``, ``lookup``, ``prediction``, ...: the loop
+    says which) chooses K; after it, that policy learns the round's costs and, once
+    committed, its acceptance. A deferred window is settled by the next round: the policy
+    that chose the deferring round learns it then.
     """
 
-    def __init__(self, policies: AutoKPolicies, config, *, plan=None, draft_lm=None) -> None:
+    def __init__(self, policies: AutoKPolicies, config) -> None:
         self.policies = policies
         self.config = config
-        self.plan = plan
-        self.draft_lm = draft_lm
-        self.kind = "lookup" if config.drafter == "ngram" else "model"
-        self.catch_up_seconds = 0.0
         self._policy: AutoK | None = None
         self._chose: dict[int, AutoK] = {}  # round slot -> the policy that chose its block
 
-    def choose(self, context: Sequence[int], limit: int, *, at_least: int = 0) -> int:
-        """K for the next round (at most ``limit``, at least ``at_least``)."""
-        if self.plan is not None:
-            self.kind = self.plan(context)
-        self._policy = self.policies.policy(self.config, self.kind)
-        k = self._policy.choose(limit, at_least=at_least)
-        self.catch_up_seconds = 0.0
-        if k > 0 and self.kind == "model" and self.draft_lm is not None:
-            self.catch_up_seconds = catch_up(self.draft_lm, context)
-        return k
+    def choose(self, kind: str, limit: int, *, at_least: int = 0) -> int:
+        """K for the next round, a block of ``kind`` (at most ``limit``, at least
+        ``at_least``)."""
+        self._policy = self.policies.policy(self.config, kind)
+        return self._policy.choose(limit, at_least=at_least)
 
     def learn(
         self,

@@ -159,8 +159,6 @@ class SpeculativeDecoder:
             raise FlyspecError("mode 'target' drafts nothing: give a drafter with spd or fly")
         if drafter is not None and prediction is not None:
             raise FlyspecError("give a drafter or a prediction, not both")
-        if prediction is not None and len(prediction) == 0:
-            raise FlyspecError("the prediction is empty: give at least one token, or none")
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
         # The built-in drafter's draft model, where it drafts: -k auto reads its cost.
@@ -176,20 +174,19 @@ class SpeculativeDecoder:
             self.target.logits(context[:-1])
             # With -k auto the draft model reads the prompt when it first needs to: to time
             # itself (the decoder's first request) or before its first block.
-            if draft_lm is not None and not config.auto_k and not prediction:
+            if draft_lm is not None and not config.auto_k and prediction is None:
                 draft_lm.logits(context[:-1])
         stats.prefill_seconds = clock.elapsed()
         auto = None
         if config.auto_k and drafter is not None:
             self.auto_k.measure(self.target, context, config, draft_lm=draft_lm)
-            auto = RequestAutoK(
-                self.auto_k, config, plan=getattr(drafter, "plan", None), draft_lm=draft_lm
-            )
+            auto = RequestAutoK(self.auto_k, config)
         return Request(
             prompt_ids=context,
             config=config,
             stats=stats,
             drafter=drafter,
+            draft_lm=draft_lm,
             auto=auto,
             eos_token_ids=self.eos_token_ids,
             clock=clock,

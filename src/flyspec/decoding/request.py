@@ -15,10 +15,11 @@ from typing import Literal
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decoding.auto_k import RequestAutoK
+from flyspec.decoding.auto_k import RequestAutoK, catch_up
 from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
 from flyspec.decoding.verify import Verdict, loose_token_features
+from flyspec.models.cache import LanguageModel
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
 """How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,
@@ -116,7 +117,12 @@ class Request:
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
     after). Each round is timed here: drafting in :meth:`draft`, the target's forward and the
     verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
-    ``auto`` is ``-k auto``'s controller, None for a fixed K.
+    ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto`` is ``-k
+    auto``'s controller, None for a fixed K.
+
+    With ``-k auto`` the draft model reads only what it drafts after: before a block it
+    drafts, it first catches up on the context it skipped (:func:`catch_up`), timed apart from
+    the per-token drafting cost that chooses the block.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class Request:
         config: DecodeConfig,
         stats: RequestStats,
         drafter: Drafter | None,
+        draft_lm: LanguageModel | None,
         auto: RequestAutoK | None,
         eos_token_ids: Collection[int],
         clock: BusyClock,
@@ -134,6 +141,7 @@ class Request:
         self.config = config
         self.stats = stats
         self.drafter = drafter
+        self.draft_lm = draft_lm
         self.auto = auto
         self.eos_token_ids = eos_token_ids
         self.clock = clock
@@ -141,6 +149,9 @@ class Request:
         self.held: Held | None = None
         self.round_index = 0
         self._observe: Callable[[int, int], None] | None = getattr(drafter, "observe", None)
+        self._plan: Callable[[list[int]], str] | None = getattr(drafter, "plan", None)
+        self._kind = "lookup" if config.drafter == "ngram" else "model"
+        self._catch_up_seconds = 0.0
         self._draft_seconds = 0.0
         self._drafted_at = 0.0
 
@@ -156,9 +167,13 @@ class Request:
         limit = 0 if self.drafter is None else min(self.config.k, room - 1)
         if self.auto is None:
             return limit
-        return self.auto.choose(
-            self.context, limit, at_least=0 if self.held is None else self.held.need
-        )
+        if self._plan is not None:
+            self._kind = self._plan(self.context)
+        k = self.auto.choose(self._kind, limit, at_least=0 if self.held is None else self.held.need)
+        self._catch_up_seconds = 0.0
+        if k > 0 and self._kind == "model" and self.draft_lm is not None:
+            self._catch_up_seconds = catch_up(self.draft_lm, self.context)
+        return k
 
     def draft(self, k: int) -> Draft:
         """Up to ``k`` draft tokens after the context (none for ``k == 0``), timed."""
@@ -174,7 +189,7 @@ class Request:
         confirmed, the held tokens come first; rolled back, the round is wasted and only the
         correction is committed. A new deferral holds its tokens back."""
         timing = {
-            "draft_seconds": self._draft_seconds + self._catch_up_seconds(),
+            "draft_seconds": self._draft_seconds + self._catch_up_seconds,
             "verify_seconds": time.perf_counter() - self._drafted_at,
             "source": draft.source if len(draft) else None,
         }
@@ -233,9 +248,6 @@ class Request:
                 self.stats.finish_reason = "cancelled"
                 raise
             self.clock.resume()
-
-    def _catch_up_seconds(self) -> float:
-        return 0.0 if self.auto is None else self.auto.catch_up_seconds
 
     def _settle(self, held: Held, verdict: Verdict) -> tuple[bool, list[tuple[TokenEvent, int]]]:
         """Decide the deferral ``held`` by this round's leading exact matches: confirmed, its

@@ -21,10 +21,7 @@ def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
     limit = min(len(cached), len(tokens))
     if list(cached[:limit]) == list(tokens[:limit]):
         return limit
-    for i in range(limit):
-        if cached[i] != tokens[i]:
-            return i
-    return limit  # pragma: no cover - the slice comparison above returns first
+    return next(i for i in range(limit) if cached[i] != tokens[i])
 
 
 def token_tensor(token_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -117,8 +114,8 @@ class TransformersForward:
         """Keep the first ``length`` cached positions.
 
         transformers 5.24 takes the number of positions to *remove*, as a negative number (a
-        positive absolute length raises); 4.x read a negative argument the same way, so this
-        form works on both.
+        positive absolute length raises); the earlier 5.x releases read a negative argument the
+        same way.
         """
         current = self.length
         if not 0 <= length <= current:

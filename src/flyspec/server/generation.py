@@ -209,7 +209,7 @@ class GenerationHandler:
                 raise APIError(
                     400, str(error), param="prediction", code="context_length_exceeded"
                 ) from None
-        if config.uses_draft_model and getattr(self.engine, "draft_model", None) is None:
+        if config.uses_draft_model and not self.engine.has_draft:
             raise APIError(
                 400,
                 f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model, "

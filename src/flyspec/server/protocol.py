@@ -9,7 +9,9 @@ Standard OpenAI fields the server does not implement are accepted only at their 
 content a string or a list of text parts; it is read as its text. ``loosen_predicted``
 (extension) lets FLy's rule apply to the tokens drafted from it.
 
-FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k``, ``window``,
+FLy settings ride as extra top-level fields: ``mode``, ``drafter``, ``k`` (an integer, or
+``"auto"``: :func:`flyspec.server.requests.request_config` says how it meets the server's
+``-k``), ``window``,
 ``theta`` (a number, or the string ``"inf"`` to switch loosening off), ``entropy``, the rules
 beyond the paper ``min_ratio``, ``max_rank``, ``max_draft_confidence`` and ``defer``, plus
 ``top_k``. Their ranges are
@@ -257,7 +259,7 @@ class _Request(BaseModel):
     # FLy settings and top-k (extensions)
     mode: str | None = None
     drafter: str | None = None
-    k: int | None = None
+    k: int | Literal["auto"] | None = None
     window: int | None = None
     theta: float | None = None
     entropy: str | None = None
@@ -294,6 +296,13 @@ class _Request(BaseModel):
         if not text:
             raise ValueError("prediction.content is empty: send the text the answer should repeat")
         return text
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _k(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f'k must be an integer >= 1 or "auto", got {quote(value)}')
+        return value
 
     @field_validator("theta", mode="before")
     @classmethod

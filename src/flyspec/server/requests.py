@@ -43,7 +43,11 @@ def request_config(
     *,
     max_new_tokens: int,
 ) -> DecodeConfig:
-    """The server defaults with the request's overrides, validated (APIError 400 if not)."""
+    """The server defaults with the request's overrides, validated (APIError 400 if not).
+
+    The server's K is a ceiling where either side asks for ``-k auto``: a request's ``k:
+    "auto"`` chooses every round up to the server's K, and a request's integer ``k`` on a
+    server started with ``-k auto`` is the ceiling of the server's choice."""
 
     def pick(value, default):
         return default if value is None else value
@@ -61,11 +65,13 @@ def request_config(
             seed=pick(body.seed, sampling.seed),
         )
         stop = body.stop_strings
+        k, auto_k = block_size(defaults, body.k)
         return replace(
             defaults,
             mode=pick(body.mode, defaults.mode),
             drafter=pick(body.drafter, defaults.drafter),
-            k=pick(body.k, defaults.k),
+            k=k,
+            auto_k=auto_k,
             loosen_predicted=pick(body.loosen_predicted, defaults.loosen_predicted),
             max_new_tokens=max_new_tokens,
             fly=fly,
@@ -78,3 +84,14 @@ def request_config(
         raise APIError(
             400, clip(message, MESSAGE_LIMIT), param=param, code="invalid_value"
         ) from None
+
+
+def block_size(defaults: DecodeConfig, k: int | str | None) -> tuple[int, bool]:
+    """``(k, auto_k)`` for a request's ``k`` field (None: the server's): ``"auto"`` is auto
+    up to the server's K; an integer is the fixed K, or auto's ceiling on a server started
+    with ``-k auto``."""
+    if k is None:
+        return defaults.k, defaults.auto_k
+    if k == "auto":
+        return defaults.k, True
+    return k, defaults.auto_k

@@ -1,5 +1,6 @@
-"""Drafters: the draft model, prompt-lookup n-grams, and MLA (both combined); any object that
-follows :class:`Drafter` can stand in for them."""
+"""Drafters: the draft model, prompt-lookup n-grams, MLA (both combined) and a prediction of
+the answer (Predicted Outputs, backed by one of the others); any object that follows
+:class:`Drafter` can stand in for them."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def make_drafter(
     then from prompt lookup, then from the draft model where ``config.drafter`` uses one."""
     if config.mode == "target":
         return None
-    if prediction:
+    if prediction is not None:
         fallback = None
         if config.drafter != "ngram":
             fallback = make_drafter(

@@ -36,8 +36,6 @@ class MlaDrafter:
         self.proposals = proposals
         self.max_ngram = max_ngram
         self.min_confidence = min_confidence
-        self.proposed = 0  # n-gram tokens offered to the draft model (this request)
-        self.kept = 0  # of those, the ones equal to its greedy choice
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sequence = list(context)
@@ -53,8 +51,6 @@ class MlaDrafter:
             while matches < len(proposal) and proposal[matches] == int(greedy[matches]):
                 matches += 1
             step = proposal[:matches] + [int(greedy[matches])]
-            self.proposed += len(proposal)
-            self.kept += matches
             step_confidence = token_confidence(logits[: len(step)], greedy[: len(step)]).cpu()
             unsure_at = first_unconfident(step_confidence, self.min_confidence)
             ends_at = end_index(step, self.end_tokens)
@@ -73,5 +69,3 @@ class MlaDrafter:
 
     def reset(self) -> None:
         self.lm.reset()
-        self.proposed = 0
-        self.kept = 0

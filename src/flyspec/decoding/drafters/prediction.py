@@ -23,6 +23,7 @@ import torch
 from flyspec.config import DEFAULT_MAX_NGRAM
 from flyspec.decoding.drafters.base import Draft, Drafter, through_end
 from flyspec.decoding.drafters.ngram import find_ngram_continuation
+from flyspec.errors import FlyspecError
 
 DEFAULT_MIN_MATCH = 3
 """Answer tokens that must match the prediction for its place to be found again: fewer would
@@ -112,7 +113,7 @@ class PredictionDrafter:
         end_tokens: Collection[int] = (),
     ) -> None:
         if len(prediction) == 0:
-            raise ValueError("the prediction is empty")
+            raise FlyspecError("the prediction is empty: give at least one token, or none")
         self.prediction = np.asarray(prediction, dtype=np.int64)
         self.prompt_length = prompt_length
         self.fallback = fallback
@@ -175,11 +176,6 @@ class PredictionDrafter:
             max_ngram=max(self.max_ngram, self.min_match),
             min_ngram=self.min_match,
         )
-
-    def observe(self, num_drafted: int, num_kept: int) -> None:
-        observe = getattr(self.fallback, "observe", None)
-        if observe is not None:
-            observe(num_drafted, num_kept)
 
     def reset(self) -> None:
         self._known, self._known_at, self._planned = Place(index=0, matched=0), 0, None
