@@ -10,12 +10,14 @@ import torch
 
 from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.auto_k import (
+    LONG_BLOCK,
     PROBE_AFTER,
     AutoK,
     AutoKPolicies,
     ForwardCosts,
     RequestAutoK,
     expected_tokens,
+    largest_block,
     probe_sizes,
 )
 from flyspec.decoding.drafters import Draft
@@ -382,3 +384,33 @@ def test_the_controller_chooses_with_the_policy_of_the_kind_it_is_given():
     assert controller.choose("model", 15) == 0
     assert controller.choose("prediction", 15) > 0
     assert {key[-1] for key in policies.policies} == {"model", "prediction"}
+
+
+def test_a_predictions_run_may_go_past_k_where_long_blocks_cost_little():
+    # Flat costs (a GPU): a prediction's run takes blocks up to LONG_BLOCK, the model's -k.
+    policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.1, 16: 0.101}), draft_token_seconds=0.0)
+    config = DecodeConfig(mode="spd", k=15, auto_k=True)
+    controller = RequestAutoK(policies, config)
+    assert largest_block(config, "prediction") == LONG_BLOCK == 64
+    assert largest_block(config, "model") == largest_block(config, "prediction-found") == 15
+    for _ in range(10):  # the prediction's blocks are kept whole
+        observe(policies.policy(config, "prediction"), drafted=15, kept=15, verify_seconds=0.1)
+    assert controller.choose("prediction", 100) == LONG_BLOCK
+    assert controller.choose("prediction", 40) == 40  # the budget left caps it
+    assert controller.choose("lookup", 100) <= 15
+
+
+def test_a_decoder_under_auto_drafts_a_predictions_run_in_blocks_past_k(tiny_decoder):
+    from flyspec.decoding.stats import RequestStats
+
+    prompt = [5, 17, 33, 8, 60]
+    alone = DecodeConfig(mode="target", max_new_tokens=150)
+    answer = [e.token for e in tiny_decoder.stream(prompt, alone)]
+    decoder = SpeculativeDecoder(tiny_decoder.target, tiny_decoder.draft)
+    decoder.auto_k.block_costs = ForwardCosts({n: 0.01 for n in probe_sizes(9)})  # measured
+    stats = RequestStats()
+    config = DecodeConfig(mode="spd", drafter="ngram", k=8, auto_k=True, max_new_tokens=150)
+    tokens = [e.token for e in decoder.stream(prompt, config, stats=stats, prediction=answer)]
+    assert tokens == answer
+    assert max(r.drafted for r in stats.rounds) > 8
+    assert all(r.drafted <= LONG_BLOCK for r in stats.rounds)

@@ -43,6 +43,18 @@ PLAUSIBLE_RATE = 0.95
 default pair at K=15 (88-94% of draft tokens)."""
 COST_SMOOTHING = 0.3
 """Weight of a newly measured forward or drafting time in the running cost."""
+LONG_BLOCK = 64
+"""The longest block of a prediction's unbroken run (kind ``prediction``), whatever ``-k``:
+such a block costs nothing to draft and is mostly kept, so on a forward whose cost hardly
+grows with its length (a GPU) a long one pays. Its cost beyond the sizes measured is
+extended along the last measured segment until a round measures it."""
+
+
+def largest_block(config, kind: str) -> int:
+    """The largest K ``-k auto`` may choose for a block of ``kind`` under ``config`` (a
+    :class:`~flyspec.config.DecodeConfig`): ``config.k``, or :data:`LONG_BLOCK` for a
+    prediction's run where that is larger."""
+    return max(config.k, LONG_BLOCK) if kind == "prediction" else config.k
 
 
 def expected_tokens(p: Sequence[float]) -> float:
@@ -275,7 +287,7 @@ class AutoKPolicies:
         key = (config.mode, config.drafter, config.k, fly, kind)
         if key not in self.policies:
             self.policies[key] = AutoK(
-                max_k=config.k,
+                max_k=largest_block(config, kind),
                 costs=self.block_costs,
                 window=None if fly is None else fly.window,
                 defer=fly is not None and fly.defer,

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decoding.auto_k import RequestAutoK, catch_up
+from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
 from flyspec.decoding.verify import Verdict, loose_token_features
@@ -163,12 +163,15 @@ class Request:
     def block_size(self, room: int) -> int:
         """K for the next round: the configured one within the budget (the block and its
         correction or bonus fit in ``room``), or ``-k auto``'s choice below that, never fewer
-        than the draft tokens a held deferral needs to be decided."""
-        limit = 0 if self.drafter is None else min(self.config.k, room - 1)
+        than the draft tokens a held deferral needs to be decided; a prediction's run may
+        go past ``-k`` there (:func:`~flyspec.decoding.auto_k.largest_block`)."""
+        if self.drafter is None:
+            return 0
         if self.auto is None:
-            return limit
+            return min(self.config.k, room - 1)
         if self._plan is not None:
             self._kind = self._plan(self.context)
+        limit = min(largest_block(self.config, self._kind), room - 1)
         k = self.auto.choose(self._kind, limit, at_least=0 if self.held is None else self.held.need)
         self._catch_up_seconds = 0.0
         if k > 0 and self._kind == "model" and self.draft_lm is not None:
