@@ -4,7 +4,8 @@
 # transformers 5.17, and no other package), so that a lease is not spent on an import error
 # or an API that moved: the script's CPU form (--device cpu --tiny), with flyspec from src/ as
 # on the lent machine, then the tests of the script, the lean and compiled forwards, the
-# decoding loop, verification and the decoder's revision digests, on the CPU.
+# decoding loop, verification, -k auto, trace replay and the decoder's revision digests, on
+# the CPU.
 #   bash benchmarks/device_image_check.sh [VENV]
 # VENV (default /tmp/flyspec-device-image) is made with $PYTHON (default python3.12);
 # torch 2.11 from PyPI is its CUDA build with CUDA's libraries: about 5 GB installed.
@@ -30,4 +31,5 @@ if wrong:
 PY
 "$venv/bin/python" benchmarks/gpu_first_look.py --device cpu --tiny
 PYTHONPATH=src "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_gpu_first_look.py \
-    tests/test_lean.py tests/test_decode.py tests/test_verify.py tests/test_decoder_revision.py
+    tests/test_lean.py tests/test_decode.py tests/test_verify.py tests/test_decoder_revision.py \
+    tests/test_replay.py tests/test_auto_k.py

@@ -1,20 +1,26 @@
 """The first GPU figures in one run: forward costs, flyspec's engine against the bandwidth
-bound, the decoding loop's own cost per round, FLy's projected speedup, and vLLM's FLy kernel.
+bound, the decoding loop's own cost per round, the compiled forward, and speed at the real
+pair's recorded acceptance (trace replay), with the checks that the engine's tokens are right.
 
 No weights travel: the models are random-weight models with the shapes of the default pair
 (Qwen2.5-Coder 0.5B drafting, 1.5B target) and of a 7B and a 32B Qwen2.5 target
 (``benchmarks/gpu_configs/*/config.json``), built in bfloat16 on the device::
 
-    python benchmarks/gpu_first_look.py                          # a CUDA GPU, under 8 minutes
+    bash benchmarks/name_tree.sh                                 # before: names the tree's commit
+    python benchmarks/gpu_first_look.py                          # a CUDA GPU, about 8 minutes
+    python benchmarks/gpu_first_look.py --quick                  # the goals' rows, about 4
     python benchmarks/gpu_first_look.py --targets 1.5b,7b        # a subset of the targets
     python benchmarks/gpu_first_look.py --device cpu --tiny      # tiny shapes on the CPU
 
 It prints one table (Markdown) and writes it as ``gpu_first_look.json`` and
 ``gpu_first_look.md`` under ``$OUT`` when that is set, and under ``--output DIR``. Progress goes
 to stderr. A phase that fails (out of memory, say) is a row marked failed with its reason, and
-the other phases go on; phases that would start after ``--time-limit`` seconds are skipped.
+the other phases go on; phases that would start after ``--time-limit`` seconds are skipped. The
+rows name flyspec's commit (:func:`flyspec.support.machine.git_commit`: the checkout's, or the
+``TREE_COMMIT`` file ``benchmarks/name_tree.sh`` writes into a copy; else "unknown").
 
-The rows, by phase:
+The rows, by phase (``--quick``: only the same tokens' lossless and compiled rows, and the
+compiled and replay phases with the replays of :data:`QUICK_REPLAYS`):
 
 - ``bandwidth``: a device-to-device copy of one large tensor (CUDA events, median), counting
   the bytes read and written, as the ceiling of a memory-bound forward.
@@ -27,15 +33,22 @@ The rows, by phase:
   answer as the prediction must each give the target alone's greedy tokens (where one does
   not, the row fails with the target's top-2 logit margin at the first difference: a near tie
   can flip between forwards of different sizes); FLy with the draft model, with MLA, with
-  ``-k auto`` and sampled only have to run.
+  ``-k auto`` and sampled only have to run. Then the target alone on the compiled forward
+  against the eager one (the same tokens, or a first difference at a near tie under
+  :data:`NEAR_TIE`, else failed; with the compiled forward's own check of its first forwards),
+  and exact SPD with the draft model and with the prediction on the compiled forward, which
+  must give the compiled target alone's tokens.
 - ``forward cost``: ``V(n)``, the target's forward over n = 1..16 new tokens after 300
   cached ones (24 in the tiny form) through flyspec's lean forward
   (:func:`flyspec.bench.forward_cost.measure_forward_cost`, the device waited for around each
   timed forward), and ``d``, the draft's one-token forward.
 - ``engine alone``: flyspec's :class:`~flyspec.decoding.loop.SpeculativeDecoder` in mode
-  target, greedy: its time per token next to the bound (bytes read per token over the copy
-  bandwidth); of that time, the forwards' device time (CUDA events around every forward) and
-  the rest, the loop's.
+  target, greedy, eager: its time per token next to the bound (bytes read per token over the
+  copy bandwidth); of that time, the forwards' device time (CUDA events around every forward)
+  and the rest, the loop's.
+- ``profile``: the first target's eager one-token forward under torch's profiler, timed alone
+  and inside the decoder: host time, kernel launches and device time per token, and the
+  operators with the most host time (where a forward inside the decoder loses its time).
 - ``loop overhead``: the target drafting for itself (a draft model that agrees with the target,
   FLy at block size K): per round, the wall time minus the device time of its forwards, which
   is the time the device waits for the loop (its Python, verification, host synchronisations),
@@ -49,12 +62,19 @@ The rows, by phase:
 - ``kernel check``: vLLM 0.34's FLy kernel against flyspec's rule on random conformance
   batches (``benchmarks/vllm_fly_gpu.py``), when its files were extracted into
   ``benchmarks/vllm_fly_kernels``.
-- ``compiled``: the first target again, alone and drafting for itself at K=8, through the
-  compiled forward (``--forward compiled``: ``torch.compile``, CUDA graphs on a GPU), each
-  row's figure against the eager row of the same run, with the graphs compiled, on CUDA how
-  many ran without a CUDA graph, the time the row took with compiling, and how many of its
-  tokens are the eager decode's (told, not failed: compiling reorders the arithmetic). Last, as
-  compiling takes the longest.
+- ``compiled``: each target through the compiled forward (``--forward compiled``, the default
+  on CUDA: ``torch.compile``, CUDA graphs on a GPU): alone, against the bound and the eager
+  row of the same run; its ``V(n)`` at the compiled sizes up to 65 (a prediction's block of 64
+  and the token before it); the first target drafting for itself at K=8 (the loop's time and
+  host synchronisations per round). Each row with the graphs compiled, on CUDA how many ran
+  without a CUDA graph, the time the row took with compiling, and how many of its tokens are
+  the eager decode's (told, not failed: compiling reorders the arithmetic).
+- ``replay``: the traces of :data:`REPLAYS` (``benchmarks/traces``, recorded on the real pair
+  by ``benchmarks/record_traces.py``) replayed on each target with the 0.5B-shaped draft, both
+  compiled (:class:`flyspec.bench.replay.ReplayDecoder`): every draft, forward and
+  verification runs, and each round keeps what the trace says. Tokens per second against the
+  compiled target alone on the same prompts: speed *at the real pair's recorded acceptance*,
+  never the real pair's speed.
 
 Windows of a decode start after its first round, so that neither the prompt's prefill nor the
 first round's start-up counts.
@@ -87,7 +107,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from flyspec.bench.forward_cost import measure_forward_cost  # noqa: E402
+from flyspec.bench.forward_cost import measure_forward_cost, time_forwards  # noqa: E402
+from flyspec.bench.replay import ReplayDecoder, Trace, load_traces  # noqa: E402
 from flyspec.config import DecodeConfig, SamplingConfig  # noqa: E402
 from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
@@ -99,9 +120,31 @@ from flyspec.models.cache import (  # noqa: E402
     common_prefix_length,
     make_forward,
 )
+from flyspec.models.lean import COMPILED_SIZES  # noqa: E402
 from flyspec.support.machine import git_commit  # noqa: E402
 
 CONFIGS = BENCHMARKS / "gpu_configs"
+TRACES = BENCHMARKS / "traces"
+REPLAYS = {
+    "1.5b": (("humaneval", "fly@15"), ("humaneval", "spd@15"), ("humaneval-edit", "predict@64")),
+    "7b": (
+        ("humaneval", "fly@15"),
+        ("humaneval-edit", "predict@15"),
+        ("humaneval-edit", "predict@64"),
+    ),
+    "32b": (
+        ("humaneval", "fly@8"),
+        ("humaneval", "fly@15"),
+        ("humaneval", "spd@15"),
+        ("humaneval-edit", "predict@64"),
+    ),
+}
+"""The recorded traces (``benchmarks/traces/<set>.json``, ``benchmarks/record_traces.py``)
+replayed on each target shape; ``--quick`` replays those the goals name."""
+QUICK_REPLAYS = {"7b": (("humaneval-edit", "predict@64"),), "32b": (("humaneval", "fly@15"),)}
+NEAR_TIE = 1e-3
+"""A top-2 logit margin below this is a near tie that float32 rounding can flip: a compiled
+float32 decode that leaves the eager one there is told, not failed."""
 TAU_FILE = CONFIGS / "measured_tau.json"
 KERNELS = BENCHMARKS / "vllm_fly_kernels"
 DRAFT = "0.5b"
@@ -145,6 +188,7 @@ class Sizes:
     kernel_batches: int
     kernel_vocab: int
     same_tokens: int
+    replay_requests: int | None  # None: every request of a trace
 
 
 FULL = Sizes(
@@ -158,7 +202,9 @@ FULL = Sizes(
     kernel_batches=60,
     kernel_vocab=151936,
     same_tokens=48,
+    replay_requests=None,
 )
+QUICK_REPLAY_REQUESTS = 4
 TINY = Sizes(
     context=24,
     repeats=2,
@@ -170,6 +216,7 @@ TINY = Sizes(
     kernel_batches=9,
     kernel_vocab=64,
     same_tokens=24,
+    replay_requests=1,
 )
 
 
@@ -685,13 +732,15 @@ class SameTokensCase:
     (``"draft"``), the target drafts for itself (``"self"``), or no model drafts (None);
     ``prediction``: the target's own answer is given as the request's prediction;
     ``lossless``: exact verification, which must give the target's tokens (else the decode
-    only has to run: FLy keeps loose tokens, a sampled one draws)."""
+    only has to run: FLy keeps loose tokens, a sampled one draws); ``forward_path``: the
+    models' forward (the reference is the target alone's on the same forward)."""
 
     subject: str
     config: DecodeConfig
     draft: str | None = "draft"
     prediction: bool = False
     lossless: bool = True
+    forward_path: str = "lean"
 
 
 def same_tokens_cases(k: int) -> list[SameTokensCase]:
@@ -718,6 +767,23 @@ def same_tokens_cases(k: int) -> list[SameTokensCase]:
     ]
 
 
+def compiled_same_tokens_cases(k: int) -> list[SameTokensCase]:
+    """The lossless cases on the compiled forward, against the compiled target alone: exact
+    SPD with the draft model and with the target's answer as the prediction."""
+    exact = DecodeConfig(mode="spd", k=k)
+    return [
+        SameTokensCase(
+            f"spd K={k}, the draft model drafting, compiled", exact, forward_path="compiled"
+        ),
+        SameTokensCase(
+            f"spd K={k}, the target's own answer as the prediction, compiled",
+            exact,
+            prediction=True,
+            forward_path="compiled",
+        ),
+    ]
+
+
 def same_tokens_row(
     case: SameTokensCase,
     target: torch.nn.Module,
@@ -729,7 +795,7 @@ def same_tokens_row(
     answer to ``prompt``; where an exact decode differs, the target's margin between its two
     most likely tokens there (a near tie can flip between forwards of different sizes)."""
     drafting = {"draft": draft, "self": target, None: None}[case.draft]
-    decoder = SpeculativeDecoder(target, drafting)
+    decoder = SpeculativeDecoder(target, drafting, forward_path=case.forward_path)
     stats = RequestStats()
     config = case.config.with_updates(max_new_tokens=len(reference))
     events = decoder.stream(
@@ -757,22 +823,65 @@ def same_tokens_row(
     if differs is None:
         result = f"{same}/{len(reference)} tokens as the target alone"
         return Row("same tokens", case.subject, "ok", result, detail, values)
-    logits = CachedLM(target).logits(prompt + reference[:differs], 1)[0]
-    top = logits.float().topk(2).values.tolist()
-    values["target_top2_margin"] = top[0] - top[1]
+    margin = values["target_top2_margin"] = top2_margin(target, prompt + reference[:differs])
     return Row(
         "same tokens",
         case.subject,
         "failed",
         f"differs from the target alone at token {differs + 1} of {len(reference)}",
-        f"{detail}; the target's top-2 logit margin there {top[0] - top[1]:.2g}",
+        f"{detail}; the target's top-2 logit margin there {margin:.2g}",
         values,
     )
 
 
-def random_prompt(vocab_size: int, length: int) -> list[int]:
+def top2_margin(target: torch.nn.Module, tokens: list[int]) -> float:
+    """The eager target's margin between its two most likely next tokens after ``tokens``."""
+    logits = CachedLM(target, forward_path="lean").logits(tokens, 1)[0]
+    top = logits.float().topk(2).values.tolist()
+    return top[0] - top[1]
+
+
+def compiled_against_eager_row(
+    target: torch.nn.Module, prompt: list[int], reference: list[int], compiled: list[int]
+) -> Row:
+    """The target alone on the compiled forward against the eager ``reference`` (float32):
+    the same tokens, or a first difference at a near tie (:data:`NEAR_TIE`) that rounding
+    can flip; a difference where the target was sure fails. ``compiled`` receives the
+    compiled decode's tokens (the compiled cases' reference)."""
+    decoder = SpeculativeDecoder(target, forward_path="compiled")
+    config = DecodeConfig(mode="target", max_new_tokens=len(reference))
+    compiled.extend(event.token for event in decoder.stream(prompt, config))
+    checks = getattr(decoder.target.runner, "compile_checks", {})
+    values = {"tokens": len(compiled), "token_ids": list(compiled), "compile_checks": checks}
+    detail = "first forwards against eager (largest logit difference over the largest logit): "
+    detail += ", ".join(f"{kind} {value:.2g}" for kind, value in checks.items()) or "none"
+    same = values["same_as_eager"] = common_prefix_length(compiled, reference)
+    if compiled == reference:
+        return Row(
+            "same tokens",
+            "the target alone, compiled, against eager",
+            "ok",
+            f"{same}/{len(reference)} tokens as eager",
+            detail,
+            values,
+        )
+    margin = values["eager_top2_margin"] = top2_margin(target, prompt + reference[:same])
+    near_tie = margin < NEAR_TIE
+    return Row(
+        "same tokens",
+        "the target alone, compiled, against eager",
+        "ok" if near_tie else "failed",
+        f"differs from eager at token {same + 1} of {len(reference)}"
+        + (", a near tie" if near_tie else ""),
+        f"{detail}; the eager target's top-2 logit margin there {margin:.2g}",
+        values,
+    )
+
+
+def random_prompt(vocab_size: int, length: int, *, seed: int = 1) -> list[int]:
     """Token ids of a prompt (the costs do not depend on them)."""
-    return torch.randint(vocab_size, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab_size, (length,), generator=generator).tolist()
 
 
 def load_tau() -> list[dict]:
@@ -878,6 +987,190 @@ def kernel_row(
         mismatches,
         summary,
         {"exit_code": code, "output": lines[-22:]},
+    )
+
+
+def load_replay_traces() -> dict[tuple[str, str], Trace]:
+    """Every recorded trace, by its set (``benchmarks/traces/<set>.json``) and name."""
+    traces = {}
+    for path in sorted(TRACES.glob("*.json")):
+        _, recorded = load_traces(path)
+        traces.update({(path.stem, trace.name): trace for trace in recorded})
+    return traces
+
+
+def decoding_window(events: Iterator, stats: RequestStats) -> tuple[float, int, list[int]]:
+    """Consume a request's ``events``: the seconds and tokens from the end of its first round
+    (after the prompt's prefill and the first round's start-up) to its last token, and the
+    ids of all its tokens."""
+    marks, tokens = [], []
+    for event in events:
+        marks.append((stats.num_rounds, time.perf_counter()))
+        tokens.append(event.token)
+    first = max(i for i, (rounds, _) in enumerate(marks) if rounds == 1)
+    return marks[-1][1] - marks[first][1], len(marks) - 1 - first, tokens
+
+
+def replay_rows(
+    name: str,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    wanted: Sequence[tuple[str, Trace]],
+    *,
+    requests: int | None,
+) -> list[Row]:
+    """Each trace of ``wanted`` replayed (:class:`~flyspec.bench.replay.ReplayDecoder`) on
+    ``target`` with ``draft`` drafting, both compiled, on random prompts of the traced lengths:
+    its decoding speed against the compiled target alone on the same prompts and tokens, a
+    round of each trace first, untimed (it compiles)."""
+    vocab = target.config.vocab_size
+    alone = SpeculativeDecoder(target, forward_path="compiled")
+    replaying = ReplayDecoder(target, draft, forward_path="compiled")
+    rows = []
+    for set_name, trace in wanted:
+        chosen = trace.requests[:requests]
+        prompts = [random_prompt(vocab, r.prompt_tokens, seed=i) for i, r in enumerate(chosen)]
+        references, baseline = [], [0.0, 0]
+        for prompt, request in zip(prompts, chosen, strict=True):
+            stats = RequestStats()
+            config = DecodeConfig(mode="target", max_new_tokens=request.tokens)
+            events = alone.stream(prompt, config, stats=stats)
+            seconds, counted, tokens = decoding_window(events, stats)
+            references.append(tokens)
+            baseline = [baseline[0] + seconds, baseline[1] + counted]
+        config = DecodeConfig(mode=trace.mode, drafter=trace.drafter)
+        paying = replaying.paying_drafters(trace, config)
+        warm = chosen[0]
+        list(replaying.replay(prompts[0], warm, references[0], config, paying=paying))
+        replaying.counts.agreed = replaying.counts.overruled = 0
+        timed = [0.0, 0]
+        for prompt, request, reference in zip(prompts, chosen, references, strict=True):
+            stats = RequestStats()
+            events = replaying.replay(
+                prompt, request, reference, config, paying=paying, stats=stats
+            )
+            seconds, counted, _ = decoding_window(events, stats)
+            timed = [timed[0] + seconds, timed[1] + counted]
+        alone_speed, replay_speed = baseline[1] / baseline[0], timed[1] / timed[0]
+        sources = sorted({r.source for q in chosen for r in q.rounds if r.source})
+        counts = replaying.counts
+        rows.append(
+            Row(
+                "replay",
+                f"{trace.name} ({set_name}) on the {name} target, compiled",
+                "ok",
+                f"{replay_speed / alone_speed:.2f}x over the compiled target alone, measured at "
+                f"the real pair's recorded acceptance (tau {trace.tau:.2f})",
+                f"{replay_speed:.1f} against {alone_speed:.1f} tokens/s decoding (after each "
+                f"request's first round), {len(chosen)} requests of the trace, drafted by "
+                f"{', '.join(sources)}; the target's own verdict agreed in {counts.agreed} "
+                f"rounds, was overruled by the trace in {counts.overruled}",
+                {
+                    "speedup": replay_speed / alone_speed,
+                    "tokens_per_second": replay_speed,
+                    "alone_tokens_per_second": alone_speed,
+                    "trace_tau": trace.tau,
+                    "requests": len(chosen),
+                    "agreed": counts.agreed,
+                    "overruled": counts.overruled,
+                },
+            )
+        )
+    return rows
+
+
+def compiled_cost_row(name: str, model: torch.nn.Module, sizes: Sizes) -> Row:
+    """``V(n)`` on the compiled forward at its sizes (:data:`COMPILED_SIZES`: on CUDA every
+    block runs at one of them), up to a prediction's block of 64 and the token before it."""
+    device = next(model.parameters()).device
+    times = time_forwards(
+        model,
+        new_tokens=COMPILED_SIZES,
+        forward_paths=("compiled",),
+        context_tokens=sizes.context,
+        repeats=sizes.repeats,
+        warmup=sizes.warmup,
+        clock=device_clock(device),
+    )["compiled"]
+    median = {n: statistics.median(samples) for n, samples in times.items()}
+    ratios = {n: median[n] / median[1] for n in median}
+    return Row(
+        "compiled",
+        f"target {name}: V(n), compiled",
+        "ok",
+        f"V(1) {fmt_ms(median[1])}, V(16)/V(1) {ratios[16]:.2f}, V(65)/V(1) {ratios[65]:.2f}",
+        "V(n)/V(1) for n = "
+        + ", ".join(f"{n}: {r:.2f}" for n, r in ratios.items())
+        + f"; after {sizes.context} cached, median of {sizes.repeats}",
+        {"median_ms": {n: 1000 * m for n, m in median.items()}, "ratio": ratios},
+    )
+
+
+def profile_row(name: str, model: torch.nn.Module, sizes: Sizes, *, tokens: int = 6) -> Row:
+    """Where the eager forward's time goes, alone and inside the decoder: torch's profiler over
+    ``tokens`` one-token forwards timed alone (as ``V(1)``) and over as many tokens of the
+    decoder in mode target; per forward, the host's time, the kernels launched and the device's
+    time, and the operators with the most host time in the decoder."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = next(model.parameters()).device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prompt = random_prompt(model.config.vocab_size, sizes.context)
+    runner = make_forward(model, "lean")
+    token = torch.tensor([[prompt[-1]]], device=device)
+    decoder = SpeculativeDecoder(model, forward_path="lean")
+    config = DecodeConfig(mode="target", max_new_tokens=tokens)
+    with torch.inference_mode():
+        runner.forward(torch.tensor([prompt], device=device), 1)
+        for _ in range(2):  # warm-up
+            runner.crop(len(prompt))
+            runner.forward(token, 1)
+    list(decoder.stream(prompt, config))
+
+    def lone() -> None:
+        with torch.inference_mode():
+            for _ in range(tokens):
+                runner.crop(len(prompt))
+                runner.forward(token, 1)
+        wait_for_device(device)
+
+    def in_decoder() -> None:
+        list(decoder.stream(prompt, config))
+        wait_for_device(device)
+
+    figures = {}
+    for label, work in (("alone", lone), ("decoder", in_decoder)):
+        with profile(activities=activities) as profiled:
+            started = time.perf_counter()
+            work()
+            wall = time.perf_counter() - started
+        events = profiled.key_averages()
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+        figures[label] = {
+            "wall_ms_per_token": 1000 * wall / tokens,
+            "launches_per_token": launches / tokens,
+            "device_ms_per_token": device_us / 1000 / tokens,
+            "top_host_ops": [
+                (e.key, round(e.self_cpu_time_total / 1000 / tokens, 3))
+                for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+            ],
+        }
+    alone, inside = figures["alone"], figures["decoder"]
+    top = ", ".join(f"{op} {ms:.2g} ms" for op, ms in inside["top_host_ops"][:5])
+    return Row(
+        "profile",
+        f"target {name}, eager: a forward alone and in the decoder",
+        "ok",
+        f"{fmt_ms(alone['wall_ms_per_token'] / 1000)} a token alone, "
+        f"{fmt_ms(inside['wall_ms_per_token'] / 1000)} in the decoder (profiled)",
+        f"kernel launches per token {alone['launches_per_token']:.0f} alone, "
+        f"{inside['launches_per_token']:.0f} in the decoder; device time per token "
+        f"{alone['device_ms_per_token']:.3g} ms and {inside['device_ms_per_token']:.3g} ms; "
+        f"most host time in the decoder, per token: {top}",
+        figures,
     )
 
 
@@ -999,18 +1292,22 @@ class FirstLook:
             lambda: measure_copy_bandwidth(self.device, self.sizes),
         )
         self.bandwidth = self.table.value(rows, "bytes_per_second")
-        self.measure_draft()
         self.check_same_tokens()
         release_memory(self.device)
-        for name in self.targets:
-            self.measure_target(name)
+        if not self.args.quick:
+            self.measure_draft()
+            for name in self.targets:
+                self.measure_target(name)
+                release_memory(self.device)
+            self.table.phase(
+                "kernel check",
+                "vLLM 0.34 FLy kernel",
+                lambda: kernel_row(self.device, self.sizes, self.args.kernel_batches),
+            )
+        draft = self.build(DRAFT)
+        for index, name in enumerate(self.targets):
+            self.measure_compiled(name, draft, loop=index == 0)
             release_memory(self.device)
-        self.table.phase(
-            "kernel check",
-            "vLLM 0.34 FLy kernel",
-            lambda: kernel_row(self.device, self.sizes, self.args.kernel_batches),
-        )
-        self.measure_compiled(self.targets[0])
         env["elapsed_s"] = round(time.perf_counter() - self.table.started, 1)
         env["complete"] = True
         return env, self.table.rows
@@ -1067,33 +1364,50 @@ class FirstLook:
         reference: list[int] = []
         prompt = [] if target is None else random_prompt(target.config.vocab_size, 16) * 4
 
+        compiled: list[int] = []
+
         def greedy() -> Row:
             if draft is None or target is None:
                 raise PhaseSkipped("the models were not built")
-            decoder = SpeculativeDecoder(target)
+            decoder = SpeculativeDecoder(target, forward_path="lean")
             config = DecodeConfig(mode="target", max_new_tokens=self.sizes.same_tokens)
             reference.extend(event.token for event in decoder.stream(prompt, config))
             result = f"{len(reference)} tokens after a prompt of {len(prompt)}"
             return Row("same tokens", "the target alone, greedy", "ok", result)
 
-        def case_row(case: SameTokensCase) -> Callable[[], Row]:
+        def case_row(case: SameTokensCase, tokens: list[int]) -> Callable[[], Row]:
             def work() -> Row:
-                if not reference:
+                if not tokens:
                     raise PhaseSkipped("no answer of the target alone to compare with")
-                return same_tokens_row(case, target, draft, prompt, reference)
+                return same_tokens_row(case, target, draft, prompt, tokens)
 
             return work
 
-        self.table.phase("same tokens", "the target alone, greedy", greedy)
-        for case in same_tokens_cases(SAME_TOKENS_K):
-            self.table.phase("same tokens", case.subject, case_row(case))
+        def against_eager() -> Row:
+            if not reference:
+                raise PhaseSkipped("no answer of the eager target alone to compare with")
+            return compiled_against_eager_row(target, prompt, reference, compiled)
 
-    def measure_compiled(self, name: str) -> None:
-        """The target ``name`` alone and drafting for itself at K=:data:`COMPILED_K` through
-        the compiled forward, against the same rows in eager mode; last, as compiling takes
-        the longest."""
+        self.table.phase("same tokens", "the target alone, greedy", greedy)
+        cases = same_tokens_cases(SAME_TOKENS_K)
+        for case in cases if not self.args.quick else [c for c in cases if c.lossless]:
+            self.table.phase("same tokens", case.subject, case_row(case, reference))
+        needs = 0 if self.args.tiny else COMPILE_SECONDS
+        self.table.phase(
+            "same tokens", "the target alone, compiled, against eager", against_eager, needs=needs
+        )
+        for case in compiled_same_tokens_cases(SAME_TOKENS_K):
+            self.table.phase("same tokens", case.subject, case_row(case, compiled), needs=needs)
+
+    def measure_compiled(self, name: str, draft: torch.nn.Module | None, *, loop: bool) -> None:
+        """The target ``name`` on the compiled forward: alone (against the eager row of the
+        run, where there is one), its ``V(n)`` up to 65 tokens, with ``loop`` drafting for
+        itself at K=:data:`COMPILED_K` (the loop's own time and host synchronisations per
+        round), and the traces of :data:`REPLAYS` replayed with ``draft`` drafting. Last, as
+        compiling takes the longest."""
         model = self.build(name)
-        sizes, bandwidth = self.sizes, self.bandwidth
+        sizes, bandwidth, device = self.sizes, self.bandwidth, self.device
+        needs = 0 if self.args.tiny else COMPILE_SECONDS
 
         def alone(m: torch.nn.Module) -> Row:
             return compiled_row(
@@ -1102,7 +1416,7 @@ class FirstLook:
                 ),
                 self.eager.get((name, "engine")),
                 "ms_per_token",
-                device=self.device,
+                device=device,
             )
 
         def drafting(m: torch.nn.Module) -> Row:
@@ -1110,19 +1424,42 @@ class FirstLook:
                 lambda: overhead_row(name, m, sizes, COMPILED_K, forward_path="compiled"),
                 self.eager.get((name, COMPILED_K)),
                 "round_ms",
-                device=self.device,
+                device=device,
             )
 
-        needs = 0 if self.args.tiny else COMPILE_SECONDS
+        def replays(m: torch.nn.Module) -> list[Row]:
+            if draft is None:
+                raise PhaseSkipped("the draft was not built")
+            traces = load_replay_traces()
+            plan = (QUICK_REPLAYS if self.args.quick else REPLAYS).get(name, ())
+            missing = [f"{s}/{t}" for s, t in plan if (s, t) not in traces]
+            if missing:
+                raise RuntimeError(f"no trace {', '.join(missing)} in {TRACES}")
+            requests = sizes.replay_requests
+            if self.args.quick and not self.args.tiny:
+                requests = QUICK_REPLAY_REQUESTS
+            wanted = [(s, traces[s, t]) for s, t in plan]
+            return replay_rows(name, m, draft, wanted, requests=requests)
+
         self.table.phase(
             "compiled", f"target {name}, mode target", self.measured(model, alone), needs=needs
         )
         self.table.phase(
             "compiled",
-            f"target {name} drafting for itself, FLy K={COMPILED_K}",
-            self.measured(model, drafting),
-            needs=needs,
+            f"target {name}: V(n), compiled",
+            self.measured(model, lambda m: compiled_cost_row(name, m, sizes)),
         )
+        if loop:
+            self.table.phase(
+                "compiled",
+                f"target {name} drafting for itself, FLy K={COMPILED_K}",
+                self.measured(model, drafting),
+                needs=needs,
+            )
+        if (QUICK_REPLAYS if self.args.quick else REPLAYS).get(name):
+            self.table.phase(
+                "replay", f"traces on the {name} target", self.measured(model, replays), needs=needs
+            )
 
     def measure_draft(self) -> None:
         draft = self.build(DRAFT)
@@ -1158,6 +1495,12 @@ class FirstLook:
         )
         engine_ms = self.table.value(rows, "ms_per_token")
         self.eager[name, "engine"] = rows[0]
+        if name == self.targets[0]:
+            self.table.phase(
+                "profile",
+                f"target {name}, eager",
+                self.measured(model, lambda m: profile_row(name, m, self.sizes)),
+            )
         overhead_ms = {}
         for k in self.ks:
             rows = self.table.phase(
@@ -1238,13 +1581,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--output", type=Path, help="also write the JSON and Markdown here")
     parser.add_argument(
-        "--time-limit", type=float, default=420, help="skip phases that would start later (s)"
+        "--time-limit",
+        type=float,
+        help="skip phases that would start later (s; default 420, with --quick 210)",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads on the CPU (default 1: shared cores)"
     )
     parser.add_argument("--kernel-batches", type=int, help="conformance batches (default 60)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the rows the goals name: the same tokens (lossless, compiled against eager), "
+        "the targets compiled, the loop's cost per round, the goals' replays",
+    )
     args = parser.parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = 210 if args.quick else 420
     first_look = FirstLook(args)
     env, rows = first_look.run()
     print(markdown(rows), flush=True)

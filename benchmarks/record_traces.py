@@ -86,13 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine.load()
     args.output.mkdir(parents=True, exist_ok=True)
-    machine = describe_machine(machine_identity())
+    machine, commit = describe_machine(machine_identity()), git_commit()  # what runs
     for dataset in args.sets.split(","):
         settings = SETS[dataset]
         traces = record(engine, dataset, **settings)
         recorded = {
             "date": date.today().isoformat(),
-            "commit": git_commit(),
+            "commit": commit,
             "machine": machine,
             "command": "python benchmarks/record_traces.py",
             "pair": f"{engine.draft_name} drafting for {engine.target_name}",

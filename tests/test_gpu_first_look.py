@@ -34,7 +34,7 @@ def cpu_form(tmp_path_factory):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((folder / "out" / "gpu_first_look.json").read_text())
@@ -65,14 +65,17 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
     assert counts == {
         "device": 1,
         "bandwidth": 1,
-        "model": 7,  # float32 draft and target for the same tokens; the compiled rows' target
-        "same tokens": 1 + 8,
+        # float32 draft and target for the same tokens; draft and targets eager, then compiled
+        "model": 2 + 4 + 4,
+        "same tokens": 1 + 8 + 1 + 2,
         "forward cost": 4,
         "engine alone": 4,
+        "profile": 1,
         "loop overhead": 3 * len(OVERHEAD_KS),
         "projection": 3 * len(TAU_ENTRIES),
         "kernel check": 1,
-        "compiled": 2,
+        "compiled": 3 * 2 + 1,  # each target alone and its V(n); the first drafting for itself
+        "replay": sum(len(plan) for plan in gpu_first_look.REPLAYS.values()),
     }
     (kernel,) = rows_of(report, "kernel check")
     assert kernel["status"] == "skipped"
@@ -110,10 +113,19 @@ def test_costs_engine_and_loop_rows_hold_consistent_figures(cpu_form):
 
 def test_exact_decodes_give_the_target_alone_tokens_and_the_others_run(cpu_form):
     _, report, _ = cpu_form
-    greedy, *cases = rows_of(report, "same tokens")
+    greedy, *cases, against_eager, compiled_spd, compiled_prediction = rows_of(
+        report, "same tokens"
+    )
     assert greedy["subject"] == "the target alone, greedy"
     lossless = [row for row in cases if row["subject"].startswith("spd")]
     assert len(lossless) == 4 and len(cases) == 8
+    # float32 on the CPU: the compiled target gives the eager tokens, and its exact decodes
+    # give the compiled target's.
+    assert against_eager["result"] == "24/24 tokens as eager"
+    assert set(against_eager["values"]["compile_checks"]) == {"token", "block"}
+    for row in (compiled_spd, compiled_prediction):
+        assert row["subject"].endswith(", compiled")
+        assert row["result"] == "24/24 tokens as the target alone"
     for row in cases:
         values = row["values"]
         assert values["tokens"] == gpu_first_look.TINY.same_tokens
@@ -161,7 +173,11 @@ def test_the_tokens_in_common_count_up_to_a_missing_or_extra_one():
 
 def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
     _, report, _ = cpu_form
-    alone, drafting = rows_of(report, "compiled")
+    compiled = {row["subject"]: row for row in rows_of(report, "compiled")}
+    alone = compiled["target 1.5b, mode target, compiled"]
+    drafting = compiled["target 1.5b drafting for itself, FLy K=8, compiled"]
+    costs = compiled["target 1.5b: V(n), compiled"]["values"]
+    assert [int(n) for n in costs["median_ms"]] == [1, 2, 4, 8, 16, 32, 65]
     eager_alone = next(r for r in rows_of(report, "engine alone") if "target 1.5b" in r["subject"])
     eager_drafting = next(
         r
@@ -182,6 +198,57 @@ def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
         ids = eager["values"]["token_ids"]
         assert row["values"]["token_ids"] == ids and row["values"]["same_as_eager"] == len(ids)
         assert f"the same {len(ids)} tokens as eager" in row["detail"]
+
+
+def test_each_trace_is_replayed_at_its_recorded_acceptance(cpu_form):
+    _, report, _ = cpu_form
+    replays = rows_of(report, "replay")
+    traces = gpu_first_look.load_replay_traces()
+    plan = [pair for name in ("1.5b", "7b", "32b") for pair in gpu_first_look.REPLAYS[name]]
+    names = [name for name in ("1.5b", "7b", "32b") for _ in gpu_first_look.REPLAYS[name]]
+    expected = [
+        f"{trace} ({subset}) on the {name} target, compiled"
+        for name, (subset, trace) in zip(names, plan, strict=True)
+    ]
+    assert [row["subject"] for row in replays] == expected
+    for row, (subset, trace) in zip(replays, plan, strict=True):
+        values = row["values"]
+        assert values["trace_tau"] == pytest.approx(traces[subset, trace].tau)
+        assert values["speedup"] == pytest.approx(
+            values["tokens_per_second"] / values["alone_tokens_per_second"]
+        )
+        assert "measured at the real pair's recorded acceptance" in row["result"]
+        assert values["overruled"] == 0  # float32: the target agrees with what it replays
+
+
+def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(_PATH),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--quick",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "OUT"},
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_first_look.json").read_text())
+    phases = {row["phase"] for row in report["rows"]}
+    assert phases == {"device", "bandwidth", "model", "same tokens", "compiled", "replay"}
+    replays = [row["subject"] for row in rows_of(report, "replay")]
+    assert replays == [
+        f"{trace} ({subset}) on the {name} target, compiled"
+        for name, plan in gpu_first_look.QUICK_REPLAYS.items()
+        for subset, trace in plan
+    ]
+    assert all(row["status"] == "ok" for row in report["rows"])
 
 
 def test_a_compiled_decode_that_differs_is_told_not_failed():
