@@ -163,6 +163,20 @@ def test_an_exact_decode_that_differs_fails_with_the_target_margin_there():
     assert "top-2 logit margin there" in row.detail
 
 
+def test_a_compiled_decode_that_leaves_eager_where_the_target_was_sure_fails():
+    target, other = make_tiny_model(vocab_size=64, seed=3), make_tiny_model(vocab_size=64, seed=4)
+    prompt = [5, 6, 7, 8]
+    config = gpu_first_look.DecodeConfig(mode="target", max_new_tokens=8)
+    wrong = [e.token for e in gpu_first_look.SpeculativeDecoder(other).stream(prompt, config)]
+    compiled: list[int] = []
+    row = gpu_first_look.compiled_against_eager_row(target, prompt, wrong, compiled)
+    differs = row.values["same_as_eager"]
+    assert compiled and compiled != wrong and row.values["token_ids"] == compiled
+    assert row.values["eager_top2_margin"] >= gpu_first_look.NEAR_TIE
+    assert (row.status, row.result) == ("failed", f"differs from eager at token {differs + 1} of 8")
+    assert set(row.values["compile_checks"]) == {"token", "block"}
+
+
 def test_the_tokens_in_common_count_up_to_a_missing_or_extra_one():
     common = gpu_first_look.common_prefix_length  # what the rows count with
     assert common([1, 2, 3], [1, 2, 3]) == 3

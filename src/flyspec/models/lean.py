@@ -275,7 +275,8 @@ class LeanForward:
         """The first compiled forward of ``kind``, said on stderr (it compiles), checked
         against the same forward run eagerly: where the two differ beyond rounding, the
         compiled forward is dropped."""
-        name = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        path = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        name = path.rstrip("/").rsplit("/", 1)[-1]  # a folder's or hub id's last part
         say(f"compiling {name}'s forward ({'one token' if kind == 'token' else 'blocks'}) ...")
         started = time.perf_counter()
         eager = self._logits(self._layers(hidden, positions, visible, None)[:, :n], num_logits)
