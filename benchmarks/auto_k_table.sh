@@ -10,9 +10,9 @@ for k in 3 8 15 auto; do methods="$methods,llamacpp-fly@$k"; done
 methods="$methods,llamacpp-spd@3,llamacpp-spd@auto,target"
 for k in 3 8 15 auto; do methods="$methods,fly@$k"; done
 methods="$methods,spd,spd@auto"
-.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-new-tokens 128 \
+.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-tokens 128 \
     --methods "$methods" --output "${1:-results/bench-auto-k}"
 # The llama.cpp rows against plain llama.cpp again, three interleaved passes (about 12 minutes).
-.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-new-tokens 128 --repeats 3 \
+.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-tokens 128 --repeats 3 \
     --methods llamacpp-target,llamacpp-fly@auto,llamacpp-spd@auto \
     --output "${1:-results/bench-auto-k}-llamacpp-repeats"

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=${1:-5}
 out=${2:-results/compiled-check}
-args=(--dataset humaneval --limit "$limit" --methods target,spd,fly --max-new-tokens 128
+args=(--dataset humaneval --limit "$limit" --methods target,spd,fly --max-tokens 128
       --linear default --draft-quant none --no-progress)
 .venv/bin/flyspec bench "${args[@]}" --forward lean --output "$out/lean"
 .venv/bin/flyspec bench "${args[@]}" --forward compiled --output "$out/compiled" \

@@ -11,6 +11,6 @@ out="${1:-results/bench-edits}"
 methods="llamacpp-target,llamacpp-lookup,llamacpp-ngram"
 methods="$methods,llamacpp-predict,llamacpp-predict@auto,llamacpp-fly-predict,llamacpp-fly-predict@auto"
 methods="$methods,target,predict,predict@auto,fly-predict"
-.venv/bin/flyspec bench --dataset humaneval-edit --limit 8 --max-new-tokens 384 \
+.venv/bin/flyspec bench --dataset humaneval-edit --limit 8 --max-tokens 384 \
     --methods "$methods" --output "$out"
 .venv/bin/flyspec bench --forward-cost --backend llamacpp --output "$out-forward-cost"

@@ -11,7 +11,7 @@ for method in spd fly fly-mla ngram; do
     for k in 3 5 8 15; do methods="$methods,llamacpp-$method@$k"; done
 done
 methods="$methods,llamacpp-fly@auto,target,spd,fly,fly@auto"
-.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-new-tokens 128 \
+.venv/bin/flyspec bench --dataset humaneval --limit 10 --max-tokens 128 \
     --methods "$methods" --output results/bench-llamacpp
 .venv/bin/flyspec bench --forward-cost --backend llamacpp --output results/forward-cost-llamacpp
 .venv/bin/flyspec bench --forward-cost --output results/forward-cost-torch

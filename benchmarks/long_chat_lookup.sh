@@ -17,5 +17,5 @@ prompt = "Add type hints to every function of this module and give back the whol
 row = {"id": "add-types-tasks", "prompt": prompt + module, "chat": True}
 Path(sys.argv[1]).write_text(json.dumps(row) + "\n")
 PYTHON
-.venv/bin/flyspec bench --prompts-file "$output/prompts.jsonl" --max-new-tokens 400 \
+.venv/bin/flyspec bench --prompts-file "$output/prompts.jsonl" --max-tokens 400 \
     --methods llamacpp-target,llamacpp-lookup --output "$output"

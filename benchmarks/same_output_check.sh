@@ -20,6 +20,7 @@ tree=$(mktemp -d)
 git worktree add --detach "$tree" "$rev" >/dev/null
 trap 'git -C "$here" worktree remove --force "$tree"' EXIT
 methods=${3:-target,spd,fly,llamacpp-target,llamacpp-fly@auto}
+# --max-new-tokens, the former name of --max-tokens: REV's tree may predate the new one.
 args=(--dataset humaneval --limit 5 --methods "$methods" --max-new-tokens 128 --no-progress)
 (cd "$tree" && PYTHONPATH="$tree/src" "$here/.venv/bin/python" -m flyspec.cli bench "${args[@]}" \
     --output "$out/old")
