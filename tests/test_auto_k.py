@@ -4,6 +4,7 @@ where drafting pays and where it does not, and the decoder running it (lossless 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from flyspec.decoding.auto_k import (
     AutoKPolicies,
     ForwardCosts,
     RequestAutoK,
+    costs_store,
     expected_tokens,
     largest_block,
     probe_sizes,
@@ -414,3 +416,44 @@ def test_a_decoder_under_auto_drafts_a_predictions_run_in_blocks_past_k(tiny_dec
     assert tokens == answer
     assert max(r.drafted for r in stats.rounds) > 8
     assert all(r.drafted <= LONG_BLOCK for r in stats.rounds)
+
+
+def test_measured_costs_are_kept_for_the_next_process(tmp_path):
+    target = CachedLM(make_tiny_model(vocab_size=96, seed=2, num_layers=1))
+    context = [5, 17, 33, 8, 60]
+    config = DecodeConfig(mode="spd", k=6, auto_k=True)
+    store = costs_store({"target": "tiny"}, home=tmp_path)
+    assert store.parent == tmp_path / "forward-costs"
+    assert store != costs_store({"target": "other"}, home=tmp_path)
+    first = AutoKPolicies(store=store)
+    target.logits(context[:-1])
+    first.measure(target, context, config)
+    assert store.is_file() and target.forward_calls > 1
+    # Another process, the same machine and models: no forward to measure.
+    second, calls = AutoKPolicies(store=store), target.forward_calls
+    second.measure(target, context, config)
+    assert target.forward_calls == calls
+    assert second.block_costs.seconds == first.block_costs.seconds
+    # A larger -k measures only the sizes not kept; a damaged file is measured anew.
+    AutoKPolicies(store=store).measure(target, context, config.with_updates(k=12))
+    assert set(probe_sizes(13)) <= {int(n) for n in json.loads(store.read_text())["seconds"]}
+    store.write_text("{not json")
+    third = AutoKPolicies(store=store)
+    third.measure(target, context, config)
+    assert target.forward_calls > calls and third.block_costs is not None
+
+
+def test_an_engine_keeps_its_costs_under_flyspec_home(tiny_ggufs):
+    from flyspec.config import LlamaCppConfig
+    from flyspec.engine import Engine
+    from flyspec.support.home import flyspec_home
+
+    _, _, _, draft_path, target_path = tiny_ggufs
+    settings = LlamaCppConfig(context=512, threads=1)
+    load = dict(target=str(target_path), draft=str(draft_path), backend="llamacpp")
+    engine = Engine.load(**load, llamacpp=settings)
+    store = engine.decoder.auto_k.store
+    assert store.parent == flyspec_home() / "forward-costs"
+    # Other threads run other forwards: kept apart.
+    other = Engine.load(**load, llamacpp=LlamaCppConfig(context=512, threads=2))
+    assert other.decoder.auto_k.store != store

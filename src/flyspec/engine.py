@@ -143,6 +143,22 @@ class Engine:
         if self.decoder.draft is not None:
             self.kernels["draft_forward"] = self.decoder.draft.forward_path
 
+    def keep_forward_costs(self, settings: dict) -> None:
+        """Keep ``-k auto``'s measured forward costs under ``$FLYSPEC_HOME`` for these models,
+        kernels and ``settings`` (what else their speed depends on) on this machine: a later
+        process starts from them instead of probing
+        (:func:`flyspec.decoding.auto_k.costs_store`)."""
+        from flyspec.decoding.auto_k import costs_store
+        from flyspec.models.identity import model_identity
+
+        names = {"target": self.target_name, "draft": self.draft_name}
+        identity = {
+            **{role: model_identity(name) for role, name in names.items() if name},
+            "kernels": self.kernels,
+            **settings,
+        }
+        self.decoder.auto_k.store = costs_store(identity)
+
     @property
     def target_model(self) -> torch.nn.Module | None:
         """The target's torch module (None on the llama.cpp backend)."""
@@ -230,6 +246,7 @@ class Engine:
             forward_path=kernels.forward,
         )
         apply_cpu_kernels(engine, kernels)
+        engine.keep_forward_costs({"dtype": str(dtype), "device": str(device)})
         return engine
 
     @classmethod
@@ -243,7 +260,7 @@ class Engine:
     ) -> Engine:
         from flyspec.models import check_same_tokenizer
         from flyspec.models.default_pair import default_gguf_paths
-        from flyspec.models.llamacpp_binding import require_llamacpp
+        from flyspec.models.llamacpp_binding import binding_build, require_llamacpp
 
         settings = settings or LlamaCppConfig()
         require_llamacpp()  # before anything slow
@@ -259,13 +276,15 @@ class Engine:
             )
             draft_lm = LlamaCppLM(draft, context=settings.context, threads=settings.threads)
         target_lm = LlamaCppLM(target, context=settings.context, threads=settings.threads)
-        return cls(
+        engine = cls(
             target_model=target_lm,
             draft_model=draft_lm,
             tokenizer=tokenizer,
             target_name=target,
             draft_name=draft if with_draft else None,
         )
+        engine.keep_forward_costs({"binding": binding_build()})
+        return engine
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set."""

@@ -20,14 +20,20 @@ each probe that leaves K=0 still best doubles the wait before the next.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from flyspec.decoding.stats import RoundStats
 from flyspec.models.cache import common_prefix_length
+from flyspec.support.atomic_files import write_text_atomically
+from flyspec.support.home import flyspec_home
+from flyspec.support.machine import cpuinfo
 
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""
@@ -258,25 +264,53 @@ class AutoKPolicies:
     block_costs: ForwardCosts | None = None
     draft_token_seconds: float = 0.0
     policies: dict[tuple, AutoK] = field(default_factory=dict)
+    store: Path | None = None
+    """Where the measured costs are kept for the next process on the same machine and models
+    (:func:`costs_store`; None: measured in each process)."""
 
     def measure(self, target, context: Sequence[int], config, *, draft_lm=None) -> None:
         """Measure what ``-k auto`` chooses from, once, and keep it (what one request learns,
         the next starts from): ``target``'s forward costs over ``context`` for the sizes not
         yet measured (each size twice, keeping the faster: the first forwards of a process
         may run cold); ``draft_lm``'s seconds per token where it drafts (it reads the context
-        first). ``context`` must be cached but for its last token."""
+        first). ``context`` must be cached but for its last token. With a :attr:`store`, the
+        costs an earlier process measured there count as measured, and what is measured
+        here is added to it."""
+        if self.block_costs is None and self.store is not None:
+            self._load()
         largest = min(config.k, config.max_new_tokens - 1) + 1
         room = target.context_length
         sizes = probe_sizes(largest, room=None if room is None else room - len(context) + 1)
         known = {} if self.block_costs is None else self.block_costs.seconds
+        measured = False
         if not set(sizes) <= set(known):
             first = measure_block_costs(target, context, sizes)
             second = measure_block_costs(target, context, sizes)
             known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
             self.block_costs = ForwardCosts(known)
+            measured = True
         if draft_lm is not None and self.draft_token_seconds == 0:
             catch_up(draft_lm, context)
             self.draft_token_seconds = measure_block_costs(draft_lm, context, [1])[1]
+            measured = True
+        if measured and self.store is not None:
+            self._save()
+
+    def _load(self) -> None:
+        """The costs kept in :attr:`store`, where there are (a damaged file is measured
+        anew)."""
+        try:
+            kept = json.loads(self.store.read_text())
+            seconds = {int(n): float(s) for n, s in kept["seconds"].items()}
+            self.block_costs = ForwardCosts(seconds) if seconds else None
+            self.draft_token_seconds = float(kept.get("draft_token_seconds", 0.0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.block_costs, self.draft_token_seconds = None, 0.0
+
+    def _save(self) -> None:
+        seconds = {} if self.block_costs is None else self.block_costs.seconds
+        kept = {"seconds": seconds, "draft_token_seconds": self.draft_token_seconds}
+        write_text_atomically(self.store, json.dumps(kept, indent=1) + "\n")
 
     def policy(self, config, kind: str) -> AutoK:
         """The policy of ``config``'s settings (a :class:`~flyspec.config.DecodeConfig`) for
@@ -337,6 +371,26 @@ class RequestAutoK:
         self._policy.observe_round(rounds[-1])
         if settled is not None:
             self._chose[settled].observe_round(rounds[settled])
+
+
+def costs_store(identity: Mapping, home: Path | None = None) -> Path:
+    """Where ``-k auto``'s measured costs are kept for the machine and the models that
+    ``identity`` names (whatever the forwards' speed depends on: the models and their
+    kernels, the backend and its threads); this machine's CPU, torch and GPU are added here.
+    Under ``$FLYSPEC_HOME/forward-costs``."""
+    cpu = cpuinfo()
+    machine = {
+        "cpu": cpu.get("model name", ""),
+        "flags": cpu.get("flags", ""),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
+    }
+    text = json.dumps({"models": identity, "machine": machine}, sort_keys=True, default=str)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return flyspec_home(home) / "forward-costs" / f"{key}.json"
 
 
 def catch_up(draft_lm, context: Sequence[int]) -> float:
