@@ -157,3 +157,8 @@ def test_a_bad_prompt_style_is_a_one_line_usage_error(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "choose from auto, chat, raw, got 'fancy'" in err and "Traceback" not in err
+
+
+def test_serve_keeps_the_prompt_cache_unless_told_not_to():
+    assert parsed(["serve"])["cache_prompt"] is True
+    assert parsed(["serve", "--no-cache-prompt"])["cache_prompt"] is False

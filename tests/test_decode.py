@@ -620,3 +620,27 @@ def test_the_gate_reads_the_distribution_the_target_samples_from(
     assert events[0].origin == expected_origin
     if expected_origin == "loose":
         assert [event.token for event in events] == [5, 6, 7, 8]
+
+
+def test_a_decoder_that_reuses_its_prefix_reads_only_the_new_part_of_a_prompt(target, draft):
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=12)
+    first, second = PROMPTS[2], PROMPTS[2] + [7, 7]  # the second prompt extends the first
+    reusing = SpeculativeDecoder(target, draft, reuse_prefix=True)
+    fed: list[int] = []  # new positions of each target forward
+    forward = reusing.target.runner.forward
+
+    def counted(input_ids, num_logits):
+        fed.append(input_ids.shape[1])
+        return forward(input_ids, num_logits)
+
+    reusing.target.runner.forward = counted
+    run(reusing, first, config)
+    fed.clear()
+    tokens = run(reusing, second, config)
+    assert fed[0] == 1  # the prefill reads the one position the first request did not hold
+    assert tokens == run(SpeculativeDecoder(target, draft), second, config)
+    fresh = SpeculativeDecoder(target, draft)
+    fresh.target.runner.forward = counted
+    fed.clear()
+    run(fresh, second, config)
+    assert fed[0] == len(second) - 1  # without reuse: the whole prompt but its last token

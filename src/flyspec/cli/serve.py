@@ -66,6 +66,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="model id served in /v1/models (default: the target's name)",
     )
     server.add_argument(
+        "--cache-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the models' caches between requests, so that a request reads only the part "
+        "of its prompt not shared with the request before (default: on; a request's tokens "
+        "may then differ by rounding from a fresh run's, as in llama-server)",
+    )
+    server.add_argument(
         "--queue-size",
         type=int,
         default=DEFAULT_QUEUE_SIZE,
@@ -170,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # The models load on the thread that will run every generation (engine_thread says why).
     engine_executor = engine_thread()
     engine = engine_executor.submit(load_engine, args, with_draft=not args.no_draft).result()
+    engine.decoder.reuse_prefix = args.cache_prompt  # SpeculativeDecoder says what it costs
     app = create_app(
         engine,
         defaults=defaults,

@@ -81,6 +81,11 @@ class SpeculativeDecoder:
     ``eos_token_ids``: tokens that end a request; they are not emitted. ``forward_path``:
     ``auto`` (the default: compiled on CUDA, lean elsewhere, where the architecture allows),
     ``lean``, ``compiled`` or ``transformers`` (:func:`flyspec.models.cache.make_forward`).
+    ``reuse_prefix``: the models keep their caches from one request to the next, so that a
+    request reads only what its prompt does not share with what they hold (a second request
+    about the same file pays no second prefill, as llama-server's prompt cache); off by
+    default, as a request's tokens may then depend on the one before through rounding (the
+    shared prefix's keys and values were computed in other forwards).
     """
 
     def __init__(
@@ -90,7 +95,9 @@ class SpeculativeDecoder:
         *,
         eos_token_ids: Collection[int] = (),
         forward_path: str = "auto",
+        reuse_prefix: bool = False,
     ) -> None:
+        self.reuse_prefix = reuse_prefix
         self.target = _language_model(target, forward_path)
         self.draft = _language_model(draft, forward_path) if draft is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -163,11 +170,14 @@ class SpeculativeDecoder:
         stats.prompt_tokens = len(prompt_ids)
         # The built-in drafter's draft model, where it drafts: -k auto reads its cost.
         draft_lm = self.draft if drafter is None and config.uses_draft_model else None
+        given = drafter is not None
         if drafter is None:
             drafter = self._make_drafter(config, len(prompt_ids), prediction)
         clock = BusyClock()
-        self.target.reset()
-        if drafter is not None:
+        if not self.reuse_prefix:
+            self.target.reset()
+        # A built-in drafter is new and holds nothing but the draft model's cache.
+        if drafter is not None and (given or not self.reuse_prefix):
             drafter.reset()
         context = list(prompt_ids)
         if len(context) > 1:
