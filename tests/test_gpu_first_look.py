@@ -259,9 +259,11 @@ def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
     replays = [row["subject"] for row in rows_of(report, "replay")]
     assert replays == [
         f"{trace} ({subset}) on the {name} target, compiled"
-        for name, plan in gpu_first_look.QUICK_REPLAYS.items()
-        for subset, trace in plan
+        for name in gpu_first_look.QUICK_ORDER
+        for subset, trace in gpu_first_look.QUICK_REPLAYS.get(name, ())
     ]
+    compiled = [row["subject"] for row in rows_of(report, "compiled")]
+    assert compiled[0] == "target 32b, mode target, compiled"  # the largest first
     assert all(row["status"] == "ok" for row in report["rows"])
 
 
