@@ -7,8 +7,8 @@ No weights travel: the models are random-weight models with the shapes of the de
 (``benchmarks/gpu_configs/*/config.json``), built in bfloat16 on the device::
 
     bash benchmarks/name_tree.sh                                 # before: names the tree's commit
-    python benchmarks/gpu_first_look.py                          # a CUDA GPU, about 8 minutes
-    python benchmarks/gpu_first_look.py --quick                  # the goals' rows, about 4
+    python benchmarks/gpu_first_look.py                          # a CUDA GPU (not yet timed)
+    python benchmarks/gpu_first_look.py --quick                  # the goals' rows only
     python benchmarks/gpu_first_look.py --targets 1.5b,7b        # a subset of the targets
     python benchmarks/gpu_first_look.py --device cpu --tiny      # tiny shapes on the CPU
 
