@@ -408,8 +408,10 @@ def verify_greedy(
     block ends after its first end token, as if drafted no further (a drafter that did not
     read its block could not cut it there); the verdict's ``num_drafted`` says where.
     """
-    target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     num_drafted = draft_tokens.shape[0]
+    if num_drafted == 0:  # the target alone: its token, one read
+        return Verdict(0, 0, (), int(target_logits[0].argmax()))
+    target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
     length = None
     if end_tokens is not None:
