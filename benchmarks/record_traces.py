@@ -8,7 +8,8 @@ size, kept tokens and source, for flyspec's methods on the real default pair
   at most, greedy, W=6, theta=0.3): FLy and exact SPD with the draft model, K = 8 and 15.
 - ``benchmarks/traces/humaneval-edit.json``: the first 8 humaneval-edit problems (chat, 384 new
   tokens at most, greedy), each with its prediction (Predicted Outputs): exact verification,
-  prompt lookup where the answer leaves the prediction, K = 15 and 64.
+  prompt lookup where the answer leaves the prediction, K = 15 and 64; and K = 15 with the
+  draft model drafting the new text (``predict-draft``).
 
 The engine is the one ``flyspec bench`` runs (float32 target on the CPU kernels, int8 draft);
 its rounds are what a trace keeps, so the CPU's speed does not enter them.
@@ -38,7 +39,11 @@ SETS = {
         "max_new_tokens": 128,
         "methods": ("fly@8", "fly@15", "spd@8", "spd@15"),
     },
-    "humaneval-edit": {"limit": 8, "max_new_tokens": 384, "methods": ("predict@15", "predict@64")},
+    "humaneval-edit": {
+        "limit": 8,
+        "max_new_tokens": 384,
+        "methods": ("predict@15", "predict@64", "predict-draft@15"),
+    },
 }
 
 

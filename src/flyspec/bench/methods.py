@@ -38,11 +38,14 @@ FLYSPEC_METHODS: dict[str, tuple[str, str]] = {
     "fly-paper": ("fly", "model"),
     "predict": ("spd", "ngram"),
     "fly-predict": ("fly", "ngram"),
+    "predict-draft": ("spd", "model"),
 }
-PREDICTION_METHODS = frozenset({"predict", "fly-predict"})
+PREDICTION_METHODS = frozenset({"predict", "fly-predict", "predict-draft"})
 """Drafting from the prompt's prediction (Predicted Outputs), then prompt lookup: exact
 (``predict``) or FLy (``fly-predict``; the predicted tokens themselves verified exactly unless
-``--loosen-predicted``)."""
+``--loosen-predicted``); then also the draft model, where neither has a block (new text:
+``predict-draft``, exact, what a server request with a prediction and the default drafter
+does)."""
 PAPER_RULE_METHODS = frozenset({"fly-paper"})
 """FLy at the paper's default rule (theta 0.3, W 6, top-3 entropy, no rule beyond the paper),
 whatever the FLy flags say: the reference that settings of ``fly`` are compared with in one
@@ -74,7 +77,7 @@ DEFAULT_VLLM_METHODS = (*VLLM_METHOD_NAMES, "target", "fly", "fly-mla")
 IN_PROCESS_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)  # run on a loaded flyspec Engine
 ALL_METHODS = (*IN_PROCESS_METHODS, *LLAMACPP_METHODS, *VLLM_METHOD_NAMES)
 METHODS_NEEDING_DRAFT = frozenset(
-    {"spd", "fly", "fly-mla", "fly-paper", "hf-assisted-k", "hf-assisted"}
+    {"spd", "fly", "fly-mla", "fly-paper", "predict-draft", "hf-assisted-k", "hf-assisted"}
 )
 LLAMACPP_METHODS_NEEDING_DRAFT = frozenset(
     name for name, method in LLAMACPP_LOOP_METHODS.items() if method in METHODS_NEEDING_DRAFT
@@ -92,6 +95,7 @@ LOSSLESS_METHODS = frozenset(
         "llamacpp-spd",
         "llamacpp-ngram",
         "predict",
+        "predict-draft",
         "llamacpp-predict",
     }
 )
