@@ -131,17 +131,22 @@ REPLAYS = {
         ("humaneval", "fly@15"),
         ("humaneval-edit", "predict@15"),
         ("humaneval-edit", "predict@64"),
+        ("humaneval-edit", "predict-draft@15"),
     ),
     "32b": (
         ("humaneval", "fly@8"),
         ("humaneval", "fly@15"),
         ("humaneval", "spd@15"),
         ("humaneval-edit", "predict@64"),
+        ("humaneval-edit", "predict-draft@15"),
     ),
 }
 """The recorded traces (``benchmarks/traces/<set>.json``, ``benchmarks/record_traces.py``)
 replayed on each target shape; ``--quick`` replays those the goals name."""
-QUICK_REPLAYS = {"7b": (("humaneval-edit", "predict@64"),), "32b": (("humaneval", "fly@15"),)}
+QUICK_REPLAYS = {
+    "7b": (("humaneval-edit", "predict@64"), ("humaneval-edit", "predict-draft@15")),
+    "32b": (("humaneval", "fly@15"),),
+}
 QUICK_ORDER = ("32b", "7b", "1.5b")
 """``--quick`` measures the targets in this order: the goals' largest rows first, so that a
 run cut short by its time limit has them."""
