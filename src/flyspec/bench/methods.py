@@ -59,6 +59,7 @@ LLAMACPP_LOOP_METHODS: dict[str, str] = {
     "llamacpp-fly-mla": "fly-mla",
     "llamacpp-predict": "predict",
     "llamacpp-fly-predict": "fly-predict",
+    "llamacpp-predict-draft": "predict-draft",
 }
 LLAMACPP_OWN_METHODS = ("llamacpp-target", "llamacpp-lookup")
 LLAMACPP_METHODS = (*LLAMACPP_OWN_METHODS, *LLAMACPP_LOOP_METHODS)
@@ -97,6 +98,7 @@ LOSSLESS_METHODS = frozenset(
         "predict",
         "predict-draft",
         "llamacpp-predict",
+        "llamacpp-predict-draft",
     }
 )
 SPECULATIVE_METHODS = frozenset(
