@@ -15,8 +15,9 @@ token is the reference's.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,6 @@ from flyspec.decoding.loop import SpeculativeDecoder, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import LanguageModel
 
 TRACE_FORMAT = 1
 _SOURCES = frozenset({"model", "lookup", "prediction"})
@@ -246,17 +246,12 @@ class ReplayDecoder(SpeculativeDecoder):
     runs, and the round's verdict is then the trace's (its kept count, the reference's next
     token). The real verdict is counted against it (:class:`ReplayCounts`)."""
 
-    def __init__(
-        self,
-        target: torch.nn.Module | LanguageModel,
-        draft: torch.nn.Module | LanguageModel | None = None,
-        *,
-        eos_token_ids: Collection[int] = (),
-        forward_path: str = "auto",
-    ) -> None:
-        super().__init__(target, draft, eos_token_ids=eos_token_ids, forward_path=forward_path)
-        self.counts = ReplayCounts()
-        self._replaying: ReplayDrafter | None = None
+    _replaying: ReplayDrafter | None = None
+
+    @functools.cached_property
+    def counts(self) -> ReplayCounts:
+        """The replayed rounds' real verdicts against the trace's, over every replay."""
+        return ReplayCounts()
 
     def paying_drafters(self, trace: Trace, config: DecodeConfig) -> dict[str, Drafter]:
         """The drafters whose cost ``trace``'s rounds pay on these models: its method's draft

@@ -33,7 +33,7 @@ from flyspec.decoding.stats import RoundStats
 from flyspec.models.cache import common_prefix_length
 from flyspec.support.atomic_files import write_text_atomically
 from flyspec.support.home import flyspec_home
-from flyspec.support.machine import cpuinfo
+from flyspec.support.machine import cpu_identity
 
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""
@@ -378,10 +378,10 @@ def costs_store(identity: Mapping, home: Path | None = None) -> Path:
     ``identity`` names (whatever the forwards' speed depends on: the models and their
     kernels, the backend and its threads); this machine's CPU, torch and GPU are added here.
     Under ``$FLYSPEC_HOME/forward-costs``."""
-    cpu = cpuinfo()
+    cpu, flags = cpu_identity()
     machine = {
-        "cpu": cpu.get("model name", ""),
-        "flags": cpu.get("flags", ""),
+        "cpu": cpu,
+        "flags": flags,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from flyspec.errors import FlyspecError
 from flyspec.support.home import flyspec_home
-from flyspec.support.machine import cpuinfo
+from flyspec.support.machine import cpu_identity
 
 LLAMACPP_PACKAGE = "llama-cpp-python"
 CHECK_SECONDS = 300
@@ -99,12 +98,6 @@ class DecodeCheck:
             f"llama.cpp's binding ({self.binding}) cannot decode on this CPU ({self.cpu}): "
             f"{self.detail}; rebuild it: {rebuild_command()}"
         )
-
-
-def cpu_identity() -> tuple[str, str]:
-    """The CPU's model name and its feature flags (what a native build depends on)."""
-    cpu = cpuinfo()
-    return cpu.get("model name") or platform.machine(), cpu.get("flags") or cpu.get("Features", "")
 
 
 def binding_build() -> tuple[str, str]:

@@ -238,6 +238,13 @@ def cpuinfo() -> dict[str, str]:
     return fields
 
 
+def cpu_identity() -> tuple[str, str]:
+    """The CPU's model name and its feature flags (what a native build and the forwards'
+    speed depend on)."""
+    cpu = cpuinfo()
+    return cpu.get("model name") or platform.machine(), cpu.get("flags") or cpu.get("Features", "")
+
+
 def _int_or_none(text: str | None) -> int | None:
     try:
         return int(text) if text is not None else None
