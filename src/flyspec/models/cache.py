@@ -256,13 +256,7 @@ class CachedLM:
         """
         if not 1 <= num_logits <= len(tokens):
             raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
-        reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - num_logits)
-        self.runner.crop(reuse)
-        self._tokens = list(tokens)
-        new_tokens = token_tensor(self._tokens[reuse:], self.device)
-        logits = self.runner.forward(new_tokens, num_logits)
-        self.forward_calls += 1
-        return logits
+        return self._forward(tokens, num_logits)
 
     @torch.inference_mode()
     def logits_with_block(self, context: Sequence[int], block: torch.Tensor) -> torch.Tensor:
@@ -272,13 +266,24 @@ class CachedLM:
         (:meth:`record_steps`). One forward, as :meth:`logits` over the whole sequence."""
         if not context:
             raise ValueError("the block continues a context: give at least one token")
-        reuse = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
+        return self._forward(context, 1, block=block.reshape(-1).to(self.device, non_blocking=True))
+
+    def _forward(
+        self, tokens: Sequence[int], fresh: int, *, block: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One forward over what the cache does not hold of ``tokens`` (their last ``fresh``
+        at least) and then ``block`` (on the device, recorded unread): the logits of those
+        last ``fresh`` positions and of the block's, ``[fresh + len(block), V]``."""
+        reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - fresh)
         self.runner.crop(reuse)
-        self._tokens = list(context)
-        block = block.reshape(-1).to(self.device, non_blocking=True)
-        self._unread = [block]
-        head = token_tensor(self._tokens[reuse:], self.device)[0]
-        logits = self.runner.forward(torch.cat((head, block))[None], block.shape[0] + 1)
+        self._tokens = list(tokens)
+        new_tokens = token_tensor(self._tokens[reuse:], self.device)
+        num_logits = fresh
+        if block is not None:
+            self._unread = [block]
+            new_tokens = torch.cat((new_tokens[0], block))[None]
+            num_logits += block.shape[0]
+        logits = self.runner.forward(new_tokens, num_logits)
         self.forward_calls += 1
         return logits
 
