@@ -423,6 +423,40 @@ class Window:
     token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class AfterFirstRound:
+    """A request's tokens as they came: from the end of its first round (after the prompt's
+    prefill and the first round's start-up) to its last token, the wall seconds, the tokens
+    and the host synchronisations (None: not counted); the clock at its start; and the ids of
+    every token, the first round's included."""
+
+    started: float
+    seconds: float
+    tokens: int
+    syncs: int | None
+    token_ids: tuple[int, ...]
+
+
+def after_first_round(
+    events: Iterator, stats: RequestStats, syncs: Callable[[], int] | None = None
+) -> AfterFirstRound:
+    """Consume a request's ``events`` (``stats`` its statistics, filled as it runs), with
+    ``syncs`` reading the host synchronisations so far where they are counted."""
+    marks: list[tuple[int, float, int]] = []  # (rounds so far, time, syncs so far) per token
+    token_ids: list[int] = []
+    for event in events:
+        marks.append((stats.num_rounds, time.perf_counter(), syncs() if syncs else 0))
+        token_ids.append(event.token)
+    first = max(i for i, (rounds, _, _) in enumerate(marks) if rounds == 1)
+    return AfterFirstRound(
+        started=marks[first][1],
+        seconds=marks[-1][1] - marks[first][1],
+        tokens=len(marks) - 1 - first,
+        syncs=marks[-1][2] - marks[first][2] if syncs is not None else None,
+        token_ids=tuple(token_ids),
+    )
+
+
 def decode_window(
     decoder: SpeculativeDecoder,
     runners: Sequence[TimedRunner],
@@ -438,27 +472,22 @@ def decode_window(
     stats = RequestStats()
     for runner in runners:
         runner.records.clear()
-    marks: list[tuple[int, float, int]] = []  # (rounds so far, time, syncs so far) per token
-    token_ids: list[int] = []
     with sync_counter(device if count_syncs else torch.device("cpu")) as syncs:
-        for event in decoder.stream(prompt, config, stats=stats):
-            marks.append((stats.num_rounds, time.perf_counter(), syncs() if syncs else 0))
-            token_ids.append(event.token)
+        run = after_first_round(decoder.stream(prompt, config, stats=stats), stats, syncs)
     wait_for_device(device)
-    first = max(i for i, (rounds, _, _) in enumerate(marks) if rounds == 1)
-    if first == len(marks) - 1:
-        raise RuntimeError(f"the request took one round ({len(marks)} tokens): no window")
-    started, ended = marks[first][1], marks[-1][1]
+    if run.tokens == 0:
+        count = len(run.token_ids)
+        raise RuntimeError(f"the request took one round ({count} tokens): no window")
     later = stats.rounds[1:]
     return Window(
-        seconds=ended - started,
-        forward_seconds=sum(runner.device_seconds(started) for runner in runners),
+        seconds=run.seconds,
+        forward_seconds=sum(runner.device_seconds(run.started) for runner in runners),
         rounds=len(later),
-        tokens=len(marks) - 1 - first,
+        tokens=run.tokens,
         drafted=sum(r.drafted for r in later),
         kept=sum(r.accepted + r.loosely_accepted for r in later),
-        syncs=marks[-1][2] - marks[first][2] if syncs is not None else None,
-        token_ids=tuple(token_ids),
+        syncs=run.syncs,
+        token_ids=run.token_ids,
     )
 
 
@@ -1007,18 +1036,6 @@ def load_replay_traces() -> dict[tuple[str, str], Trace]:
     return traces
 
 
-def decoding_window(events: Iterator, stats: RequestStats) -> tuple[float, int, list[int]]:
-    """Consume a request's ``events``: the seconds and tokens from the end of its first round
-    (after the prompt's prefill and the first round's start-up) to its last token, and the
-    ids of all its tokens."""
-    marks, tokens = [], []
-    for event in events:
-        marks.append((stats.num_rounds, time.perf_counter()))
-        tokens.append(event.token)
-    first = max(i for i, (rounds, _) in enumerate(marks) if rounds == 1)
-    return marks[-1][1] - marks[first][1], len(marks) - 1 - first, tokens
-
-
 def replay_rows(
     name: str,
     target: torch.nn.Module,
@@ -1042,10 +1059,9 @@ def replay_rows(
         for prompt, request in zip(prompts, chosen, strict=True):
             stats = RequestStats()
             config = DecodeConfig(mode="target", max_new_tokens=request.tokens)
-            events = alone.stream(prompt, config, stats=stats)
-            seconds, counted, tokens = decoding_window(events, stats)
-            references.append(tokens)
-            baseline = [baseline[0] + seconds, baseline[1] + counted]
+            run = after_first_round(alone.stream(prompt, config, stats=stats), stats)
+            references.append(list(run.token_ids))
+            baseline = [baseline[0] + run.seconds, baseline[1] + run.tokens]
         config = DecodeConfig(mode=trace.mode, drafter=trace.drafter)
         paying = replaying.paying_drafters(trace, config)
         warm = chosen[0]
@@ -1057,8 +1073,8 @@ def replay_rows(
             events = replaying.replay(
                 prompt, request, reference, config, paying=paying, stats=stats
             )
-            seconds, counted, _ = decoding_window(events, stats)
-            timed = [timed[0] + seconds, timed[1] + counted]
+            run = after_first_round(events, stats)
+            timed = [timed[0] + run.seconds, timed[1] + run.tokens]
         alone_speed, replay_speed = baseline[1] / baseline[0], timed[1] / timed[0]
         sources = sorted({r.source for q in chosen for r in q.rounds if r.source})
         counts = replaying.counts
