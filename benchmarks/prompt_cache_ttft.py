@@ -12,36 +12,16 @@ free port and stopped after. About a minute on 2 cores with llama.cpp.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from served import serving  # noqa: E402
+
 from flyspec.bench.prompts import dataset_prompts  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_up(url: str, server: subprocess.Popen, seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited ({server.returncode}) before answering")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"no answer from {url} within {seconds:.0f} s")
 
 
 def time_to_first_token(client, prompt) -> float:
@@ -69,24 +49,13 @@ def main() -> int:
     parser.add_argument("--backend", default="llamacpp", choices=("llamacpp", "torch"))
     args = parser.parse_args()
     (prompt,) = dataset_prompts("humaneval-edit", limit=1, chat=True)
-    flyspec = [sys.executable, "-m", "flyspec.cli", "serve", "--backend", args.backend]
-    flyspec += ["--served-model-name", "flyspec", "--mode", "spd", "--drafter", "ngram"]
+    arguments = ["--backend", args.backend, "--served-model-name", "flyspec"]
+    arguments += ["--mode", "spd", "--drafter", "ngram"]
     for cache in ("--cache-prompt", "--no-cache-prompt"):
-        port = free_port()
-        server = subprocess.Popen(
-            [*flyspec, "--port", str(port), cache],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_until_up(url, server)
+        with serving([*arguments, cache], start_seconds=300) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
             first, second = (time_to_first_token(client, prompt) for _ in range(2))
             print(f"{cache}: time to first token {first:.2f} s, then {second:.2f} s")
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
     return 0
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
+
+from served import serving
 
 from flyspec import config as cfg
 from flyspec.cli import options as cli
@@ -120,41 +120,13 @@ def common_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def server_block(args: argparse.Namespace) -> list[dict]:
     """Start ``flyspec serve``, warm it up, send every prompt, stop it."""
-    import httpx
-
-    port = free_port()
-    flyspec = [sys.executable, "-m", "flyspec.cli"]
-    command = [*flyspec, "serve", "--port", str(port), "--log-level", "warning"]
-    command += [*model_arguments(args), "--mode", args.mode, "--drafter", args.drafter]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"flyspec serve exited: {server.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("flyspec serve did not start within 600 s")
-            time.sleep(0.5)
+    arguments = [*model_arguments(args), "--mode", args.mode, "--drafter", args.drafter]
+    with serving(arguments) as url:
         texts = prompt_texts(args.prompts)
         complete(url, texts[0], WARMUP_TOKENS, stream=args.stream)
         return [complete(url, text, args.max_new_tokens, stream=args.stream) for text in texts]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def complete(url: str, prompt: str, max_tokens: int, *, stream: bool) -> dict:
