@@ -413,14 +413,15 @@ def verify_greedy(
         return Verdict(0, 0, (), int(target_logits[0].argmax()))
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
-    length = None
+    length = in_block = None
     if end_tokens is not None:
         ends = torch.isin(draft_tokens, end_tokens)  # [K]
         # Where the first end token is, plus one; K without one.
         length = torch.where(ends.any(), ends.int().argmax() + 1, num_drafted).reshape(1)
-        accepted &= torch.arange(num_drafted, device=accepted.device) < length
+        in_block = torch.arange(num_drafted, device=accepted.device) < length  # [K]
+        accepted &= in_block
     candidates = torch.zeros_like(accepted)
-    if fly is not None and num_drafted:
+    if fly is not None:
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
         candidates = loosening_candidates(
@@ -431,8 +432,8 @@ def verify_greedy(
             fly=fly,
             draft_confidence=draft_confidence,
         )
-        if length is not None:
-            candidates &= torch.arange(num_drafted, device=accepted.device) < length
+        if in_block is not None:
+            candidates &= in_block
     return _verdict(
         accepted=accepted,
         candidates=candidates,
