@@ -3,11 +3,8 @@
 # and check in a child process that it decodes here. Usage:
 #   scripts/install_llamacpp.sh VENV
 #
-# The binding builds llama.cpp from source (about 20 minutes on 2 cores). It is built with
-# -march=native (llama.cpp's default) but never with AMX: on one 2-core Xeon with AMX the AMX
-# matrix kernel faulted on its first tile instruction although the kernel granted AMX, and
-# killed the process (docs/design.md, "llama.cpp builds"). -mno-amx-* wins over -march=native
-# whatever their order, so every other instruction set of the CPU stays in.
+# The binding builds llama.cpp from source (about 20 minutes on 2 cores), with the CPU flags of
+# scripts/llamacpp_flags.sh (-march=native without AMX).
 #
 # The wheel is kept under $FLYSPEC_HOME/wheels (default ~/.cache/flyspec/wheels), in a folder
 # named by the binding's version, the build flags and the CPU, so another machine or other flags
@@ -18,7 +15,6 @@ cd "$(dirname "$0")/.."
 VENV=${1:?usage: scripts/install_llamacpp.sh VENV}
 PY="$VENV/bin/python"
 PIP_FLAGS=(--quiet --disable-pip-version-check)
-REQUIREMENT=$(sed -n 's/^llamacpp = \["\([^"]*\)"\].*/\1/p' pyproject.toml)  # llama-cpp-python==V
 
 if "$PY" -c "import llama_cpp" 2>/dev/null; then
     if "$PY" -m flyspec.models.llamacpp_binding --recheck; then
@@ -27,17 +23,7 @@ if "$PY" -c "import llama_cpp" 2>/dev/null; then
     echo "rebuilding llama.cpp's binding for this CPU ..."
 fi
 
-CMAKE_ARGS="${CMAKE_ARGS:-}"
-if [ "$(uname -m)" = "x86_64" ]; then
-    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
-    CMAKE_ARGS="$CMAKE_ARGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-fi
-export CMAKE_ARGS
-export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-CPU=$(grep -m2 -E "^(model name|flags)" /proc/cpuinfo 2>/dev/null || uname -m)
-KEY=$(printf '%s|%s|%s|%s|%s' "$REQUIREMENT" "$CMAKE_ARGS" "${CFLAGS:-}" "${CXXFLAGS:-}" "$CPU" \
-    | sha256sum | cut -c1-12)
+source scripts/llamacpp_flags.sh
 WHEELS="${FLYSPEC_HOME:-$HOME/.cache/flyspec}/wheels/${REQUIREMENT/==/-}-$KEY"
 if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     echo "building $REQUIREMENT for this CPU into $WHEELS (about 20 minutes on 2 cores) ..."

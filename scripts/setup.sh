@@ -59,7 +59,9 @@ fi
 
 # --llamacpp (and --test) add llama.cpp's Python binding, built for this CPU and checked to
 # decode here (scripts/install_llamacpp.sh: about 20 minutes on 2 cores the first time, then
-# kept under ~/.cache/flyspec/wheels).
+# kept under ~/.cache/flyspec/wheels), and llama.cpp's own server built from the same source,
+# for the bench's llama-server methods (scripts/install_llama_server.sh: about 5 minutes more
+# the first time, then kept under ~/.cache/flyspec/llama-server).
 make_venv .venv
 if [ "${1:-}" = "--test" ]; then
     .venv/bin/python -m pip install "${PIP_FLAGS[@]}" -e ".[serve,gguf,plot,test]" --group dev
@@ -68,5 +70,6 @@ else
 fi
 if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--llamacpp" ]; then
     bash scripts/install_llamacpp.sh .venv
+    bash scripts/install_llama_server.sh .venv
 fi
 echo "flyspec installed in $(pwd)/.venv"

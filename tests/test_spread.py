@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,26 @@ def test_monitor_sees_a_bounded_busy_loop_on_every_core():
             loop.wait(timeout=60)
     assert monitor.load.busy, monitor.load
     assert monitor.load.others_cpu_fraction > BUSY_CPU_FRACTION
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_running_child_counts_as_the_process_own_where_asked():
+    """A child server's work (still running, not waited for) is not another process's load."""
+    from flyspec.support.machine import _own_cpu_seconds
+
+    alone = _own_cpu_seconds(include_children=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", BUSY_LOOP.format(seconds=0.6) + "import time; time.sleep(60)"]
+    )
+    try:
+        time.sleep(1.5)  # the loop is done; the child sleeps on, running
+        assert child.poll() is None
+        with_child = _own_cpu_seconds(include_children=True)
+        assert with_child - alone >= 0.4
+        assert _own_cpu_seconds() - alone < 0.4
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_monitor_subtracts_its_own_cpu_time(monkeypatch):

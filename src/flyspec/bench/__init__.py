@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from flyspec.bench.methods import (
+    LLAMA_SERVER_METHOD_NAMES,
+    LLAMACPP_METHODS,
     LOSSLESS_METHODS,
+    PEER_BASELINES,
     make_method,
     measured_run,
     method_base,
@@ -64,14 +67,16 @@ def run_benchmark(
     pair = engine or llamacpp_engine
     workload = _Workload.encode(pair.tokenizer, prompts, config)
     failures = MethodFailures(baseline)
-    methods = _load_methods(method_names, engine, workload, failures, llamacpp=llamacpp_engine)
-    if warmup:
-        _warm_up(methods, workload, failures, progress=progress)
-    measured = _measure(methods, workload, failures, repeats=repeats, progress=progress)
+    with contextlib.ExitStack() as running:
+        methods = _load_methods(
+            method_names, engine, workload, failures, llamacpp=llamacpp_engine, running=running
+        )
+        if warmup:
+            _warm_up(methods, workload, failures, progress=progress)
+        measured = _measure(methods, workload, failures, repeats=repeats, progress=progress)
     methods = [method for method in methods if method.name not in failures]
     samples, summaries = _summarise(methods, workload, measured.runs, baseline=baseline)
-    if LLAMACPP_BASELINE in samples:
-        _add_llamacpp_speedups(summaries, samples)
+    _add_peer_speedups(summaries, samples)
     return {
         "config": _run_config(
             workload,
@@ -141,17 +146,25 @@ def _check_inputs(prompts: Sequence[BenchPrompt], repeats: int) -> None:
 
 
 def _load_methods(
-    method_names: Sequence[str], engine, workload: _Workload, failures: MethodFailures, *, llamacpp
+    method_names: Sequence[str],
+    engine,
+    workload: _Workload,
+    failures: MethodFailures,
+    *,
+    llamacpp,
+    running: contextlib.ExitStack,
 ) -> list:
-    """Each method that loads; those that fail are recorded in ``failures``."""
+    """Each method that loads, its ``close`` (a child server's stop) left to ``running``;
+    those that fail are recorded in ``failures``."""
     config = workload.config
     longest = max(len(ids) for ids in workload.prompt_ids) + config.max_new_tokens
     methods = []
     for name in method_names:
         with failures.catch(name, during="loading"):
-            methods.append(
-                make_method(name, engine, config, llamacpp_engine=llamacpp, longest=longest)
-            )
+            method = make_method(name, engine, config, llamacpp_engine=llamacpp, longest=longest)
+            if hasattr(method, "close"):
+                running.callback(method.close)
+            methods.append(method)
     return methods
 
 
@@ -198,7 +211,7 @@ def _measure(
         for repeat in range(repeats):
             order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
             measured.orders.append([method.name for method in order])
-            with CpuMonitor() as monitor:
+            with CpuMonitor(include_children=True) as monitor:  # llama-server
                 _run_repeat(order, workload, failures, measured.runs, repeat, repeats, bar)
             measured.loads.append(monitor.load)
     return measured
@@ -285,18 +298,22 @@ def _rounds(method_runs: list[list]) -> list | None:
     return [r for repeat in method_runs for run in repeat for r in run.stats.rounds]
 
 
-def _add_llamacpp_speedups(summaries: list[dict], samples: dict) -> None:
-    """Each summary's speedups over llama.cpp's plain decoding."""
-    for summary in summaries:
-        summary["speedup_over_llamacpp"] = _speedup_over(
-            summary, samples, _speeds(samples, LLAMACPP_BASELINE)
-        )
-        summary["decode_speedup_over_llamacpp"] = _speedup_over(
-            summary,
-            samples,
-            _speeds(samples, LLAMACPP_BASELINE, "decode_tokens_per_second"),
-            "decode_tokens_per_second",
-        )
+def _add_peer_speedups(summaries: list[dict], samples: dict) -> None:
+    """Each summary's speedups over llama.cpp's plain decoding, by its server and its binding,
+    where they ran (:data:`~flyspec.bench.methods.PEER_BASELINES`)."""
+    for peer, suffix in PEER_BASELINES.items():
+        if peer not in samples:
+            continue
+        for summary in summaries:
+            summary[f"speedup_over_{suffix}"] = _speedup_over(
+                summary, samples, _speeds(samples, peer)
+            )
+            summary[f"decode_speedup_over_{suffix}"] = _speedup_over(
+                summary,
+                samples,
+                _speeds(samples, peer, "decode_tokens_per_second"),
+                "decode_tokens_per_second",
+            )
 
 
 def _run_config(
@@ -336,6 +353,7 @@ def _run_config(
 
 
 LLAMACPP_BASELINE = "llamacpp-target"
+LLAMA_SERVER_BASELINE = "llama-server"
 
 
 class MethodFailures:
@@ -372,8 +390,12 @@ class MethodFailures:
 
 def reference_method(name: str, method_names: Sequence[str], baseline: str) -> str:
     """The method whose outputs ``name``'s are compared with, token for token: llama.cpp's
-    plain decoding for the methods on the GGUF files (where it runs), else the baseline."""
-    if method_base(name).startswith("llamacpp-") and LLAMACPP_BASELINE in method_names:
+    plain decoding, by its server for the server's methods and by its binding for the
+    binding's (where it runs), else the baseline."""
+    base = method_base(name)
+    if base in LLAMA_SERVER_METHOD_NAMES and LLAMA_SERVER_BASELINE in method_names:
+        return LLAMA_SERVER_BASELINE
+    if base in LLAMACPP_METHODS and LLAMACPP_BASELINE in method_names:
         return LLAMACPP_BASELINE
     return baseline
 

@@ -7,8 +7,10 @@ model or prompt lookup) return tokens and time only. llama.cpp's own decoding of
 (``llamacpp-target``, and ``llamacpp-lookup``, the binding's prompt-lookup speculative decoding)
 return tokens and time; flyspec's loop on llama.cpp forwards (``llamacpp-spd``,
 ``llamacpp-ngram``, ``llamacpp-fly``, ``llamacpp-fly-mla``) is flyspec's decoder on the
-llama.cpp engine. Every method stops at the same EOS set and ``max_new_tokens`` and counts only
-newly generated tokens.
+llama.cpp engine. llama.cpp's own server (``llama-server``, ``llama-server-ngram-mod``,
+``llama-server-ngram-simple``, ``llama-server-draft``: :mod:`flyspec.bench.llama_server`) runs
+as a child process on the same GGUF files. Every method stops at the same EOS set and
+``max_new_tokens`` and counts only newly generated tokens.
 
 A speculative method's name may end in ``@K`` to set its block size apart from ``-k``:
 ``fly@5``, ``llamacpp-fly@8``, or ``fly@auto`` (the block chosen every round,
@@ -63,6 +65,17 @@ LLAMACPP_LOOP_METHODS: dict[str, str] = {
 }
 LLAMACPP_OWN_METHODS = ("llamacpp-target", "llamacpp-lookup")
 LLAMACPP_METHODS = (*LLAMACPP_OWN_METHODS, *LLAMACPP_LOOP_METHODS)
+LLAMA_SERVER_METHOD_NAMES = (
+    "llama-server",
+    "llama-server-ngram-mod",
+    "llama-server-ngram-simple",
+    "llama-server-draft",
+)  # flyspec.bench.llama_server
+GGUF_METHODS = (*LLAMA_SERVER_METHOD_NAMES, *LLAMACPP_METHODS)  # on the pair's GGUF files
+PEER_BASELINES = {"llama-server": "llama_server", "llamacpp-target": "llamacpp"}
+"""llama.cpp's plain decoding, by its server and by its binding -> the suffix of the report's
+keys of speedups over it (``speedup_over_llama_server``, ``decode_speedup_over_llamacpp``):
+where one runs, every method's speedup over it is reported beside the baseline's."""
 DEFAULT_METHODS = (
     "target",
     "spd",
@@ -76,13 +89,13 @@ DEFAULT_METHODS = (
 VLLM_METHOD_NAMES = ("vllm-target", "vllm-spd", "vllm-fly")  # flyspec.bench.vllm
 DEFAULT_VLLM_METHODS = (*VLLM_METHOD_NAMES, "target", "fly", "fly-mla")
 IN_PROCESS_METHODS = (*FLYSPEC_METHODS, *HF_METHODS)  # run on a loaded flyspec Engine
-ALL_METHODS = (*IN_PROCESS_METHODS, *LLAMACPP_METHODS, *VLLM_METHOD_NAMES)
+ALL_METHODS = (*IN_PROCESS_METHODS, *GGUF_METHODS, *VLLM_METHOD_NAMES)
 METHODS_NEEDING_DRAFT = frozenset(
     {"spd", "fly", "fly-mla", "fly-paper", "predict-draft", "hf-assisted-k", "hf-assisted"}
 )
 LLAMACPP_METHODS_NEEDING_DRAFT = frozenset(
     name for name, method in LLAMACPP_LOOP_METHODS.items() if method in METHODS_NEEDING_DRAFT
-)
+) | {"llama-server-draft"}
 LOSSLESS_METHODS = frozenset(
     {
         "target",
@@ -99,11 +112,13 @@ LOSSLESS_METHODS = frozenset(
         "predict-draft",
         "llamacpp-predict",
         "llamacpp-predict-draft",
+        *LLAMA_SERVER_METHOD_NAMES,
     }
 )
 SPECULATIVE_METHODS = frozenset(
     {name for name, (mode, _) in FLYSPEC_METHODS.items() if mode != "target"}
     | set(LLAMACPP_LOOP_METHODS)
+    | {"llama-server-ngram-simple", "llama-server-draft"}  # whose largest draft is K
 )
 
 
@@ -144,7 +159,10 @@ def parse_methods(text: str, *, baseline: str = "target") -> list[str]:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise FlyspecError(f"method(s) listed twice in --methods: {', '.join(duplicates)}")
-    return [baseline, *(name for name in names if name != baseline)]
+    rest = [name for name in names if name != baseline]
+    # llama-server's rows first: what the others are set beside.
+    rest.sort(key=lambda name: method_base(name) not in LLAMA_SERVER_METHOD_NAMES)
+    return [baseline, *rest]
 
 
 @dataclass
@@ -159,6 +177,7 @@ class SampleRun:
     state_bytes: int = 0  # KV caches after the prompt (flyspec's methods)
     touched_bytes: int = 0  # the memory the run itself read or wrote (its own)
     prefill_seconds: float | None = None  # reading the prompt but its last token; None: unknown
+    server_timings: dict | None = None  # llama-server's own timings of the request
 
 
 def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
@@ -473,9 +492,23 @@ def make_method(
     ``llamacpp_engine`` (the ``llamacpp-*`` methods: the same pair's GGUF files). ``longest``:
     the most positions a prompt and its new tokens take (what a context must hold)."""
     base = method_base(name)
+    if base in GGUF_METHODS and llamacpp_engine is None:
+        raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
+    if base in LLAMA_SERVER_METHOD_NAMES:
+        from flyspec.bench.llama_server import LlamaServerMethod
+
+        target, draft = llamacpp_engine.decoder.target, llamacpp_engine.decoder.draft
+        return LlamaServerMethod(
+            name,
+            target=target.path,
+            draft=None if draft is None else draft.path,
+            threads=target.threads,
+            context=target.context_length,
+            batch=target.runner.batch_size,
+            eos_token_ids=llamacpp_engine.decoder.eos_token_ids,
+            config=config,
+        ).start()
     if base in LLAMACPP_METHODS:
-        if llamacpp_engine is None:
-            raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
         if base in LLAMACPP_OWN_METHODS:
             lm = llamacpp_engine.decoder.target
             return LlamaCppOwnMethod(

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flyspec.bench.methods import PEER_BASELINES
 from flyspec.bench.plots import has_per_position, write_plots
 from flyspec.decoding.stats import RoundStats, mean_speedup
 from flyspec.support.repeated_measurements import UNSTABLE_SPREAD, Spread
@@ -116,6 +117,9 @@ def summarise_method(
             samples, key=lambda s: s.get("prompt_tokens", 0) + s["new_tokens"], default={}
         ).get("state_bytes", 0),
     }
+    if name.startswith("llama-server"):
+        summary["kind"] = "llama-server"
+        summary.update(_server_drafts(samples))
     if rounds is None:
         return summary
     stats = [s["stats"] for s in samples]
@@ -138,6 +142,17 @@ def summarise_method(
         tokens_per_round_histogram=tokens_per_round_histogram(rounds, k),
     )
     return summary
+
+
+def _server_drafts(samples: Sequence[dict]) -> dict:
+    """llama-server's drafted and accepted tokens over ``samples``, from its own timings
+    (empty where it drafted nothing)."""
+    timings = [s.get("server_timings") or {} for s in samples]
+    drafted = sum(t.get("draft_n", 0) for t in timings)
+    if not drafted:
+        return {}
+    accepted = sum(t.get("draft_n_accepted", 0) for t in timings)
+    return {"drafted": drafted, "accepted": accepted, "acceptance_rate": _round(accepted / drafted)}
 
 
 def unstable_prompts(samples: Sequence[dict]) -> list[dict]:
@@ -189,6 +204,7 @@ def sample_records(
             state_bytes=run.state_bytes,
             touched_bytes=run.touched_bytes,
             prefill_seconds=run.prefill_seconds,
+            server_timings=run.server_timings,
         )
         for index, run in enumerate(runs)
     ]
@@ -208,9 +224,11 @@ def sample_record(
     state_bytes: int = 0,
     touched_bytes: int = 0,
     prefill_seconds: float | None = None,
+    server_timings: dict | None = None,
 ) -> dict:
     """One run's record; ``decode_tokens_per_second`` is its speed once the prompt was read
-    (all but its last token: ``prefill_seconds``), None where the method does not say."""
+    (all but its last token: ``prefill_seconds``), None where the method does not say;
+    ``server_timings``: llama-server's own account of the request, where one served it."""
     divergence = first_divergence(token_ids, target_token_ids)
     decoding = None if prefill_seconds is None else seconds - prefill_seconds
     return {
@@ -230,6 +248,7 @@ def sample_record(
         "identical_to_target": divergence is None,
         "first_divergence": divergence,
         "stats": stats,
+        "server_timings": server_timings,
         "token_ids": list(token_ids),
         "text": text,
     }
@@ -278,22 +297,20 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
     """One row per method: speed, speedup, tau, acceptance, time split, identical outputs,
     and the throughput with several requests in flight where it was measured."""
     concurrent = any(s.get("concurrent_tokens_per_second") for s in summaries)
-    over_llamacpp = baseline != "llamacpp-target" and any(
-        s.get("speedup_over_llamacpp") is not None for s in summaries
-    )
-    decoding_over_llamacpp = any(
-        s.get("decode_speedup_over_llamacpp") is not None for s in summaries
-    )
     header = (
         "| method | tok/s | speedup | tau | accepted | loosely | prefill s | drafting s "
         f"| verifying s | = {baseline} | own memory GiB | process peak GiB |"
     )
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    if over_llamacpp:
-        header += " over llamacpp-target |"
-        rule += "---:|"
-    if decoding_over_llamacpp:
-        header += " decoding over llamacpp-target |"
+    peer_columns = []  # (key, header) of the speedups over llama.cpp's plain decoding
+    for peer, suffix in PEER_BASELINES.items():
+        over, decoding_over = f"speedup_over_{suffix}", f"decode_speedup_over_{suffix}"
+        if peer != baseline and any(s.get(over) is not None for s in summaries):
+            peer_columns.append((over, f"over {peer}"))
+        if any(s.get(decoding_over) is not None for s in summaries):
+            peer_columns.append((decoding_over, f"decoding over {peer}"))
+    for _, title in peer_columns:
+        header += f" {title} |"
         rule += "---:|"
     if concurrent:
         header += " tok/s in flight |"
@@ -315,10 +332,7 @@ def markdown_table(summaries: Sequence[Mapping], *, baseline: str = "target") ->
             _cell(gib(s["touched_bytes"]) if s.get("touched_bytes") else None, ".2f"),
             _cell(gib(s["peak_rss_bytes"]) if s.get("peak_rss_bytes") else None, ".2f"),
         ]
-        if over_llamacpp:
-            cells.append(_with_range(s.get("speedup_over_llamacpp"), None, "x"))
-        if decoding_over_llamacpp:
-            cells.append(_with_range(s.get("decode_speedup_over_llamacpp"), None, "x"))
+        cells += [_with_range(s.get(key), None, "x") for key, _ in peer_columns]
         if concurrent:
             cells.append(_cell(s.get("concurrent_tokens_per_second"), ".2f"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -14,7 +14,8 @@ from flyspec.bench.methods import (
     ALL_METHODS,
     DEFAULT_METHODS,
     DEFAULT_VLLM_METHODS,
-    LLAMACPP_METHODS,
+    GGUF_METHODS,
+    LLAMA_SERVER_METHOD_NAMES,
     LLAMACPP_METHODS_NEEDING_DRAFT,
     METHODS_NEEDING_DRAFT,
     VLLM_METHOD_NAMES,
@@ -180,7 +181,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return _run_vllm_bench(args, methods, config, stamp)
 
     bases = {method_base(name) for name in methods}
-    on_gguf = bases & set(LLAMACPP_METHODS)
+    on_gguf = bases & set(GGUF_METHODS)
     engine = llamacpp_engine = None
     if bases - on_gguf:
         engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT & bases))
@@ -212,12 +213,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _baseline(requested: str, *, vllm_engine: bool) -> str:
-    """The method every speedup is over: vllm-target with --engine vllm, llama.cpp's plain
-    decoding when only methods on the GGUF files run, else flyspec's target."""
+    """The method every speedup is over: vllm-target with --engine vllm; when only methods on
+    the GGUF files run, llama.cpp's plain decoding, by its server where one of its methods is
+    asked for, else by its binding; else flyspec's target."""
     if vllm_engine:
         return "vllm-target"
-    names = [name.strip() for name in requested.split(",") if name.strip()]
-    if names and all(method_base(name) in LLAMACPP_METHODS for name in names):
+    bases = [method_base(name.strip()) for name in requested.split(",") if name.strip()]
+    if bases and all(base in GGUF_METHODS for base in bases):
+        if any(base in LLAMA_SERVER_METHOD_NAMES for base in bases):
+            return "llama-server"
         return "llamacpp-target"
     return "target"
 

@@ -124,8 +124,9 @@ class CpuLoad:
 class CpuMonitor:
     """Measures :class:`CpuLoad` between :meth:`start` and :meth:`stop` (or over a ``with``
     block, after which ``.load`` holds the result). ``include_children``: count the CPU time
-    of this process's children that ended (and were waited for) meanwhile as its own, for a
-    measurement whose work runs in child processes."""
+    of this process's children as its own, those running (a llama-server, a vLLM engine) and
+    those that ended and were waited for, for a measurement whose work runs in child
+    processes."""
 
     def __init__(self, *, include_children: bool = False) -> None:
         self.include_children = include_children
@@ -195,10 +196,27 @@ def _machine_busy_seconds() -> float | None:
 
 
 def _own_cpu_seconds(include_children: bool = False) -> float:
-    """This process's CPU seconds, all its threads, and its waited-for children's if asked."""
+    """This process's CPU seconds, all its threads, and its children's if asked: those
+    waited for and those still running."""
     times = os.times()
     own = times.user + times.system
-    return own + (times.children_user + times.children_system if include_children else 0.0)
+    if not include_children:
+        return own
+    return own + times.children_user + times.children_system + _running_children_cpu_seconds()
+
+
+def _running_children_cpu_seconds() -> float:
+    """The CPU seconds of this process's running children (0 where /proc cannot say)."""
+    parent, ticks, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        # After the command's name: state, ppid, ..., utime and stime (the 12th and 13th).
+        if len(fields) > 12 and int(fields[1]) == parent:
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def _stall() -> float | None:
