@@ -5,7 +5,8 @@ call. flyspec's own methods (``target``, ``spd``, ``ngram``, ``fly``, ``fly-mla`
 their per-round statistics; transformers' peers (``hf-*``: ``model.generate`` with an assistant
 model or prompt lookup) return tokens and time only. llama.cpp's own decoding of the GGUF files
 (``llamacpp-target``, and ``llamacpp-lookup``, the binding's prompt-lookup speculative decoding)
-return tokens and time; flyspec's loop on llama.cpp forwards (``llamacpp-spd``,
+return tokens and time; flyspec's loop on llama.cpp forwards (``llamacpp-flyspec-target``,
+the target alone as ``flyspec serve --backend llamacpp --mode target`` decodes, ``llamacpp-spd``,
 ``llamacpp-ngram``, ``llamacpp-fly``, ``llamacpp-fly-mla``) is flyspec's decoder on the
 llama.cpp engine. llama.cpp's own server (``llama-server``, ``llama-server-ngram-mod``,
 ``llama-server-ngram-simple``, ``llama-server-draft``: :mod:`flyspec.bench.llama_server`) runs
@@ -55,6 +56,7 @@ run."""
 HF_METHODS = ("hf-assisted-k", "hf-assisted", "hf-pld", "hf-target")
 # name -> flyspec's method it runs on the llama.cpp engine.
 LLAMACPP_LOOP_METHODS: dict[str, str] = {
+    "llamacpp-flyspec-target": "target",
     "llamacpp-spd": "spd",
     "llamacpp-ngram": "ngram",
     "llamacpp-fly": "fly",
@@ -106,6 +108,7 @@ LOSSLESS_METHODS = frozenset(
         "vllm-spd",
         "llamacpp-target",
         "llamacpp-lookup",
+        "llamacpp-flyspec-target",
         "llamacpp-spd",
         "llamacpp-ngram",
         "predict",
@@ -117,7 +120,7 @@ LOSSLESS_METHODS = frozenset(
 )
 SPECULATIVE_METHODS = frozenset(
     {name for name, (mode, _) in FLYSPEC_METHODS.items() if mode != "target"}
-    | set(LLAMACPP_LOOP_METHODS)
+    | {name for name, method in LLAMACPP_LOOP_METHODS.items() if method != "target"}
     | {"llama-server-ngram-simple", "llama-server-draft"}  # whose largest draft is K
 )
 
