@@ -174,16 +174,21 @@ def test_pairs_that_agree_on_direction_and_size_give_their_range_plainly():
     assert "NOT" not in line
 
 
-def test_the_closing_line_names_llamacpps_speed_where_it_ran():
+def test_the_closing_lines_name_llamacpps_speeds_where_they_ran_the_server_first():
+    from flyspec.cli.generate import PlainPeer
+
     compared = comparison([4.0, 4.0], [10.0, 10.0], 0.01)
-    compared.llamacpp, compared.llamacpp_weights, compared.mode = (
-        [20.0, 25.0, 22.0],
-        "t.gguf",
-        "fly",
+    compared.mode = "fly"
+    compared.peers = [
+        PlainPeer("llama-server", "llama_server", None, "t.gguf", [25.0, 20.0]),
+        PlainPeer("llama.cpp's Python binding", "llamacpp", None, "t.gguf", [20.0, 25.0, 22.0]),
+    ]
+    server, binding = compared.line().splitlines()[-2:]
+    assert server.startswith("llama-server, plain decoding of the same target (t.gguf): 22.50")
+    assert binding.startswith(
+        "llama.cpp's Python binding, plain decoding of the same target (t.gguf): 22.00 tok/s"
     )
-    line = compared.line().splitlines()[-1]
-    assert line.startswith("llama.cpp's plain decoding of the same target (t.gguf): 22.00 tok/s")
-    assert line.endswith("fly here runs at 0.45x its speed")
+    assert binding.endswith("fly here runs at 0.45x its speed")
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,25 @@ def test_spd_equals_target(target, draft, drafter, k):
         assert run(decoder, prompt, config) == target_greedy(target, prompt, 40)
 
 
+@pytest.mark.parametrize("auto_k", [False, True])
+def test_a_first_token_alone_comes_from_one_round_of_the_target_and_changes_no_token(
+    target, draft, auto_k
+):
+    decoder = SpeculativeDecoder(target, draft)
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=20, auto_k=auto_k)
+    alone = config.with_updates(first_token_alone=True)
+    for prompt in PROMPTS:
+        stats = RequestStats()
+        events = list(decoder.stream(prompt, alone, stats=stats))
+        assert [event.token for event in events] == target_greedy(target, prompt, 20)
+        first = stats.rounds[0]
+        assert (first.drafted, first.emitted) == (0, 1)
+        assert events[0].round_index == 0 and events[1].round_index == 1
+    stats = RequestStats()
+    run(decoder, PROMPTS[0], config.with_updates(auto_k=False), stats)
+    assert stats.rounds[0].drafted == 4  # without it, the first round drafts
+
+
 def test_spd_with_the_target_as_its_own_draft_accepts_everything(target):
     decoder = SpeculativeDecoder(target, target)
     stats = RequestStats()
@@ -243,6 +262,32 @@ def test_cropped_cache_gives_the_logits_of_a_fresh_forward(target, forward_path)
     assert lm.runner.length == len(changed)
     fresh = CachedLM(target, forward_path=forward_path).logits(changed, num_logits=2)
     torch.testing.assert_close(cached, fresh)
+
+
+def test_a_prefill_runs_a_forward_only_over_what_the_cache_lacks(target):
+    lm = CachedLM(target)
+    lm.prefill([3, 9, 27, 17, 51])
+    assert (lm.forward_calls, lm.cached_tokens) == (1, [3, 9, 27, 17, 51])
+    lm.prefill([3, 9, 27, 17])  # held already: cropped, no forward
+    assert (lm.forward_calls, lm.cached_tokens) == (1, [3, 9, 27, 17])
+    continued = lm.logits([3, 9, 27, 17, 8], num_logits=2)
+    fresh = CachedLM(target).logits([3, 9, 27, 17, 8], num_logits=2)
+    torch.testing.assert_close(continued, fresh)
+    lm.prefill([3, 9, 1])  # differs from position 2: a forward over the rest
+    assert (lm.forward_calls, lm.cached_tokens) == (3, [3, 9, 1])
+
+
+def test_a_request_that_repeats_a_cached_prompt_reads_only_its_last_token(target, draft):
+    decoder = SpeculativeDecoder(target, draft, reuse_prefix=True)
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=8, first_token_alone=True)
+    first = run(decoder, PROMPTS[0], config)
+    calls = decoder.target.forward_calls
+    assert run(decoder, PROMPTS[0], config) == first
+    rounds_of_the_second = decoder.target.forward_calls - calls
+    stats = RequestStats()
+    run(decoder, PROMPTS[0], config, stats)
+    assert rounds_of_the_second == len(stats.rounds)  # no forward before the first round
+    assert decoder.target.runner.length >= len(PROMPTS[0])
 
 
 @pytest.mark.parametrize("forward_path", FORWARD_PATHS)

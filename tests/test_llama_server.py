@@ -185,6 +185,7 @@ def test_the_bench_sets_llamacpp_beside_its_server(llama_server, tiny_llamacpp_e
         llamacpp_engine=tiny_llamacpp_engine,
         baseline="llama-server",
     )
+    assert running_llama_servers() == []  # every server stopped
     assert report["failed_methods"] == []
     summaries = {s["method"]: s for s in report["methods"]}
     assert list(summaries) == names
@@ -240,6 +241,26 @@ def test_a_server_that_does_not_start_leaves_the_others_running(
     assert "llama-server-draft failed during loading" in capsys.readouterr().err
 
 
+def test_a_bench_that_fails_stops_every_server(llama_server, tiny_llamacpp_engine, monkeypatch):
+    from flyspec.bench.llama_server import LlamaServerMethod
+
+    def refuse(self, body, **_):
+        raise FlyspecError(f"{self.name} answered 500: a test's refusal")
+
+    monkeypatch.setattr(LlamaServerMethod, "request", refuse)
+    with pytest.raises(FlyspecError, match="the baseline llama-server failed.*a test's refusal"):
+        run_benchmark(
+            None,
+            [BenchPrompt(id="a", raw=PROMPT)],
+            ["llama-server", "llama-server-ngram-mod"],
+            DecodeConfig(k=4, max_new_tokens=6),
+            progress=False,
+            llamacpp_engine=tiny_llamacpp_engine,
+            baseline="llama-server",
+        )
+    assert running_llama_servers() == []
+
+
 def test_a_method_stops_its_server(llama_server, tiny_llamacpp_engine):
     method = make_method(
         "llama-server-ngram-mod",
@@ -252,3 +273,40 @@ def test_a_method_stops_its_server(llama_server, tiny_llamacpp_engine):
     assert 0 < len(run.token_ids) <= 4
     method.close()
     assert method.server.process.poll() is not None
+
+
+def test_the_quick_start_comparison_times_llama_server_first_and_stops_it(
+    llama_server, capsys, monkeypatch, tmp_path, tiny_ggufs
+):
+    import json
+
+    from flyspec.cli import main
+
+    monkeypatch.setenv("FLYSPEC_HOME", str(tmp_path / "home"))
+    _, _, _, draft_path, target_path = tiny_ggufs
+    pair = ["--model", str(target_path), "--draft-model", str(draft_path), "--threads", "1"]
+    command = ["generate", "--backend", "llamacpp", *pair, "--json", "--max-tokens", "6"]
+    code = main([*command, "--compare-target", "--compare-pairs", "1", "def fibonacci("])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    payload = json.loads(captured.out)
+    assert len(payload["llama_server_tokens_per_second"]) == 1
+    assert len(payload["llamacpp_tokens_per_second"]) == 1
+    assert payload["llama_server_weights"] == target_path.name
+    assert running_llama_servers() == []  # stopped
+
+
+def running_llama_servers() -> list[int]:
+    """The pids of this process's children that run llama-server."""
+    from pathlib import Path
+
+    found = []
+    for folder in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((folder / "stat").read_text().rpartition(")")[2].split()[1])
+            command = (folder / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and b"llama-server" in command:
+            found.append(int(folder.name))
+    return found

@@ -50,3 +50,13 @@ def test_a_k_below_one_is_refused_whatever_the_server(defaults, value):
         block(defaults, k=value)
     assert caught.value.status_code == 400 and caught.value.param == "k"
     assert f"k must be an integer >= 1, got {value}" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("server_says", "stream", "expected"),
+    [(True, True, True), (True, False, False), (False, True, False)],
+)
+def test_only_a_streamed_requests_first_token_comes_alone(server_says, stream, expected):
+    body = CompletionRequest.model_validate({"prompt": "x", "stream": stream})
+    defaults = FIXED.with_updates(first_token_alone=server_says)
+    assert request_config(defaults, body, max_new_tokens=4).first_token_alone is expected

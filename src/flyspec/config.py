@@ -269,6 +269,10 @@ class DecodeConfig:
     (Predicted Outputs) too; by default they are verified exactly, so that an edit the target
     makes where it is unsure is not lost to the unedited code the prediction proposes
     (docs/design.md, "Predicted Outputs").
+    ``first_token_alone``: the first round is the target's alone, so that the first token
+    comes after one forward of the target instead of after a drafted and verified block: a
+    streamed request's time to first token (the server's default for streams). The tokens of
+    an exact mode are the same; in FLy the first token is the target's own.
     """
 
     mode: Mode = "fly"
@@ -284,6 +288,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
     auto_k: bool = False
     loosen_predicted: bool = False
+    first_token_alone: bool = False
 
     def __post_init__(self) -> None:
         _check(

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from flyspec import config as cfg
 from flyspec.cli.options import (
@@ -95,8 +96,26 @@ def run_generate(args: argparse.Namespace) -> int:
     comparison = None
     if args.compare_target:
         comparison = TargetComparison(
-            pairs=args.compare_pairs, llamacpp=plain_llamacpp(args, engine, config)
-        ).start(engine, prompt_ids, config, prediction=prediction_ids)
+            pairs=args.compare_pairs, peers=plain_llamacpp_peers(args, engine, config)
+        )
+    try:
+        return _generate(args, engine, config, prompt_ids, prediction_ids, comparison)
+    finally:
+        if comparison is not None:
+            comparison.close()
+
+
+def _generate(
+    args: argparse.Namespace,
+    engine,
+    config: cfg.DecodeConfig,
+    prompt_ids: list[int],
+    prediction_ids: list[int] | None,
+    comparison: TargetComparison | None,
+) -> int:
+    """The generation, timed beside the target alone and llama.cpp where ``comparison``."""
+    if comparison is not None:
+        comparison.start(engine, prompt_ids, config, prediction=prediction_ids)
 
     if args.json:
         result = engine.generate(prompt_ids, config, prediction=prediction_ids)
@@ -145,16 +164,14 @@ class TargetComparison:
     busy or the pairs disagree, :meth:`line` says so instead of stating one ratio as a fact.
     """
 
-    def __init__(self, *, pairs: int, llamacpp=None) -> None:
+    def __init__(self, *, pairs: int, peers: Sequence[PlainPeer] = ()) -> None:
         from flyspec.support.machine import CpuMonitor
 
         self.pairs = pairs
         self.target: list = []  # GenerationResult of each run of the target alone
         self.method: list = []  # RequestStats of the method, the shown run last
-        self.monitor = CpuMonitor()
-        self.plain_llamacpp = llamacpp  # a LlamaCppOwnMethod, or None
-        self.llamacpp: list[float] | None = None if llamacpp is None else []  # its tok/s
-        self.llamacpp_weights = "" if llamacpp is None else llamacpp.weights
+        self.monitor = CpuMonitor(include_children=True)  # a llama-server peer runs in one
+        self.peers = list(peers)
         self.mode = "method"
 
     def start(
@@ -169,21 +186,20 @@ class TargetComparison:
         with ``prediction``, the target alone without)."""
         warm_up(engine, prompt_ids, config, prediction=prediction)
         self.mode = config.mode
-        plain = self.plain_llamacpp
-        if plain is not None:
-            plain.run(prompt_ids, max_new_tokens=2, seed=config.sampling.seed)  # warm-up
+        for peer in self.peers:
+            peer.method.run(prompt_ids, max_new_tokens=2, seed=config.sampling.seed)  # warm-up
         self.monitor.start()
         for pair in range(1, self.pairs + 1):
             say(f"timing the target alone ({pair}/{self.pairs}) ...")
             baseline = engine.generate(prompt_ids, config.with_updates(mode="target"))
             say(f"target alone: {baseline.stats.summary_line()}")
             self.target.append(baseline)
-            if plain is not None:
-                say(f"timing llama.cpp's plain decoding ({pair}/{self.pairs}) ...")
-                run = plain.run(
+            for peer in self.peers:
+                say(f"timing {peer.label}'s plain decoding ({pair}/{self.pairs}) ...")
+                run = peer.method.run(
                     prompt_ids, max_new_tokens=config.max_new_tokens, seed=config.sampling.seed
                 )
-                self.llamacpp.append(len(run.token_ids) / run.seconds if run.seconds else 0.0)
+                peer.speeds.append(len(run.token_ids) / run.seconds if run.seconds else 0.0)
             if pair < self.pairs:
                 say(f"timing {config.mode} ({pair}/{self.pairs}) ...")
                 method = engine.generate(prompt_ids, config, prediction=prediction)
@@ -202,9 +218,9 @@ class TargetComparison:
         self.ratios = ratio_spread(method_speeds, target_speeds)
         self.target_speed, self.method_speed = Spread.of(target_speeds), Spread.of(method_speeds)
         extra = {}
-        if self.llamacpp is not None:
-            extra["llamacpp_tokens_per_second"] = [round(v, 4) for v in self.llamacpp]
-            extra["llamacpp_weights"] = self.llamacpp_weights
+        for peer in self.peers:
+            extra[f"{peer.key}_tokens_per_second"] = [round(v, 4) for v in peer.speeds]
+            extra[f"{peer.key}_weights"] = peer.weights
         return {
             **extra,
             "baseline": self.target[-1].as_dict(),
@@ -223,20 +239,27 @@ class TargetComparison:
         return not self.load.busy and (not self.ratios.unstable or self.ratios.agrees)
 
     def line(self) -> str:
-        """The closing line: the speedup, or why it cannot be trusted; then llama.cpp's speed
-        where it ran."""
-        return self._speedup_line() + ("" if self.llamacpp is None else self._llamacpp_line())
+        """The closing line: the speedup, or why it cannot be trusted; then the speed of
+        llama.cpp's plain decoding, by its server and by its binding, where they ran."""
+        return self._speedup_line() + "".join(self._peer_line(peer) for peer in self.peers)
 
-    def _llamacpp_line(self) -> str:
+    def _peer_line(self, peer: PlainPeer) -> str:
         from flyspec.support.repeated_measurements import Spread
 
-        speed = Spread.of(self.llamacpp)
+        speed = Spread.of(peer.speeds)
         versus = self.method_speed.median / speed.median if speed.median else math.nan
         return (
-            f"\nllama.cpp's plain decoding of the same target ({self.llamacpp_weights}): "
+            f"\n{peer.label}, plain decoding of the same target ({peer.weights}): "
             f"{speed.median:.2f} tok/s, median of {speed.count} run{'s' if speed.count > 1 else ''}"
             f" alternated with these; {self.mode} here runs at {versus:.2f}x its speed"
         )
+
+    def close(self) -> None:
+        """Stop the peers that run as servers."""
+        for peer in self.peers:
+            close = getattr(peer.method, "close", None)
+            if close is not None:
+                close()
 
     def _speedup_line(self) -> str:
         speeds = (
@@ -268,15 +291,37 @@ class TargetComparison:
         )
 
 
-def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
-    """llama.cpp's plain decoding of the same target, where llama.cpp is installed and the
-    target's GGUF file is known (the llama.cpp backend's, or the default pair's when
-    installed); else None."""
+@dataclass
+class PlainPeer:
+    """llama.cpp's plain decoding of the same target, timed beside the quick start's runs:
+    ``method`` (a bench method), what the closing line calls it, and its speeds."""
+
+    label: str
+    key: str  # of its figures in --json
+    method: object
+    weights: str
+    speeds: list[float] = field(default_factory=list)
+
+
+def llama_server_built() -> bool:
+    """Whether there is a llama-server to run (built, named or on the PATH)."""
+    from flyspec.bench.llama_server import llama_server_binary
+
+    try:
+        llama_server_binary()
+    except FlyspecError:
+        return False
+    return True
+
+
+def plain_llamacpp_peers(args: argparse.Namespace, engine, config: cfg.DecodeConfig) -> list:
+    """llama.cpp's plain decoding of the same target where it can run and the target's GGUF
+    file is known (the llama.cpp backend's, or the default pair's when installed): by
+    llama-server (where it is built) first, then by the binding (where it is installed). The
+    comparison is a bonus: where one cannot start, a warning says why and it is left out."""
     from flyspec.bench.methods import LlamaCppOwnMethod
     from flyspec.models.llamacpp_binding import llamacpp_version
 
-    if llamacpp_version() is None:
-        return None
     if engine.backend == "llamacpp":
         path = engine.decoder.target.path
     elif args.target is None:
@@ -284,22 +329,49 @@ def plain_llamacpp(args: argparse.Namespace, engine, config: cfg.DecodeConfig):
         from flyspec.models.mirror import gguf_path, is_gguf_installed
 
         if not is_gguf_installed(DEFAULT_TARGET):
-            return None
+            return []
         path = gguf_path(DEFAULT_TARGET)
     else:
-        return None
-    try:
-        return LlamaCppOwnMethod(
-            "llamacpp-target",
-            gguf=path,
-            threads=forward_threads(args),
-            context=args.llamacpp_context,
-            eos_token_ids=engine.decoder.eos_token_ids,
-            config=config,
-        )
-    except FlyspecError as error:  # the comparison with llama.cpp is a bonus: say why not
-        print(f"flyspec: warning: llama.cpp's line left out: {error}", file=sys.stderr)
-        return None
+        return []
+    threads = forward_threads(args)
+    if not threads:
+        from flyspec.models.llamacpp import default_threads
+
+        threads = default_threads()
+    peers = []
+    if llama_server_built():
+        from flyspec.bench.llama_server import LlamaServerMethod
+
+        try:
+            server = LlamaServerMethod(
+                "llama-server",
+                target=path,
+                draft=None,
+                threads=threads,
+                context=args.llamacpp_context,
+                batch=512,
+                eos_token_ids=engine.decoder.eos_token_ids,
+                config=config,
+            )
+            say("starting llama-server for the comparison ...")
+            peers.append(PlainPeer("llama-server", "llama_server", server.start(), path.name))
+        except FlyspecError as error:
+            print(f"flyspec: warning: llama-server's line left out: {error}", file=sys.stderr)
+    if llamacpp_version() is not None:
+        try:
+            binding = LlamaCppOwnMethod(
+                "llamacpp-target",
+                gguf=path,
+                threads=threads,
+                context=args.llamacpp_context,
+                eos_token_ids=engine.decoder.eos_token_ids,
+                config=config,
+            )
+            label = "llama.cpp's Python binding"
+            peers.append(PlainPeer(label, "llamacpp", binding, binding.weights))
+        except FlyspecError as error:
+            print(f"flyspec: warning: llama.cpp's line left out: {error}", file=sys.stderr)
+    return peers
 
 
 def read_prompt(argument: str) -> str:

@@ -74,6 +74,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "may then differ by rounding from a fresh run's, as in llama-server)",
     )
     server.add_argument(
+        "--first-token-alone",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a streamed request's first round is the target's alone, so that its first token "
+        "comes after one forward instead of after a drafted and verified block (default: on; "
+        "the same tokens in the exact modes, in FLy the first token is the target's own)",
+    )
+    server.add_argument(
         "--queue-size",
         type=int,
         default=DEFAULT_QUEUE_SIZE,
@@ -144,7 +152,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the models and serve until interrupted."""
-    defaults = decode_config_from_args(args)
+    defaults = decode_config_from_args(args).with_updates(
+        first_token_alone=args.first_token_alone  # streamed requests only (request_config)
+    )
     if not 0 <= args.port <= 65535:
         raise FlyspecError(f"--port must be in 0..65535, got {args.port}")
     if args.no_draft and defaults.uses_draft_model:

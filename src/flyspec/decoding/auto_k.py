@@ -403,7 +403,7 @@ def catch_up(draft_lm, context: Sequence[int]) -> float:
     if len(context) - seen <= 2:
         return 0.0
     started = time.perf_counter()
-    draft_lm.logits(list(context[:-1]))
+    draft_lm.prefill(list(context[:-1]))
     return time.perf_counter() - started
 
 

@@ -51,6 +51,8 @@ def text_settings(config: DecodeConfig) -> dict:
         settings.pop("auto_k")
     if config.fly_in_force is None or not config.loosen_predicted:
         settings.pop("loosen_predicted")
+    if config.fly_in_force is None or not config.first_token_alone:
+        settings.pop("first_token_alone")
     settings["stop"] = list(config.stop)
     if config.mode == "target":
         for name in _SPECULATION_SETTINGS + _DRAFTING_SETTINGS:
@@ -181,11 +183,11 @@ class SpeculativeDecoder:
             drafter.reset()
         context = list(prompt_ids)
         if len(context) > 1:
-            self.target.logits(context[:-1])
+            self.target.prefill(context[:-1])
             # With -k auto the draft model reads the prompt when it first needs to: to time
             # itself (the decoder's first request) or before its first block.
             if draft_lm is not None and not config.auto_k and prediction is None:
-                draft_lm.logits(context[:-1])
+                draft_lm.prefill(context[:-1])
         stats.prefill_seconds = clock.elapsed()
         auto = None
         if config.auto_k and drafter is not None:

@@ -164,14 +164,16 @@ class Request:
         """K for the next round: the configured one within the budget (the block and its
         correction or bonus fit in ``room``), or ``-k auto``'s choice below that, never fewer
         than the draft tokens a held deferral needs to be decided; a prediction's run may
-        go past ``-k`` there (:func:`~flyspec.decoding.auto_k.largest_block`)."""
+        go past ``-k`` there (:func:`~flyspec.decoding.auto_k.largest_block`); none in the
+        first round of a request whose first token comes alone."""
         if self.drafter is None:
             return 0
+        alone = self.round_index == 0 and self.config.first_token_alone
         if self.auto is None:
-            return min(self.config.k, room - 1)
+            return 0 if alone else min(self.config.k, room - 1)
         if self._plan is not None:
             self._kind = self._plan(self.context)
-        limit = min(largest_block(self.config, self._kind), room - 1)
+        limit = 0 if alone else min(largest_block(self.config, self._kind), room - 1)
         k = self.auto.choose(self._kind, limit, at_least=0 if self.held is None else self.held.need)
         self._catch_up_seconds = 0.0
         if k > 0 and self._kind == "model" and self.draft_lm is not None:

@@ -171,6 +171,10 @@ class LanguageModel(Protocol):
         ``tokens[len(tokens) - num_logits + j]``."""
         ...
 
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Have the cache hold ``tokens``, which the next forward continues (no logits)."""
+        ...
+
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[V]`` for the token after ``token`` ``long[1]`` (on :attr:`device`), which
         continues the tokens last given, without reading it back from the device."""
@@ -257,6 +261,18 @@ class CachedLM:
         if not 1 <= num_logits <= len(tokens):
             raise ValueError(f"num_logits={num_logits} for a sequence of {len(tokens)} tokens")
         return self._forward(tokens, num_logits)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Have the cache hold ``tokens``, a prompt that the next forward continues: one
+        forward over what it does not hold of them, and none where it holds them all (a
+        prompt the request before left cached: its logits are not wanted, and reading its
+        last position again for them would cost a forward)."""
+        if common_prefix_length(self.cached_tokens, tokens) < len(tokens):
+            self._forward(tokens, 1)
+            return
+        self.runner.crop(len(tokens))
+        self._tokens = list(tokens)
 
     @torch.inference_mode()
     def logits_with_block(self, context: Sequence[int], block: torch.Tensor) -> torch.Tensor:

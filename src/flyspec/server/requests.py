@@ -45,6 +45,9 @@ def request_config(
 ) -> DecodeConfig:
     """The server defaults with the request's overrides, validated (APIError 400 if not).
 
+    A request's first token comes alone (``first_token_alone``) where the server's defaults
+    say so and the request is streamed.
+
     The server's K is a ceiling where either side asks for ``-k auto``: a request's ``k:
     "auto"`` chooses every round up to the server's K, and a request's integer ``k`` on a
     server started with ``-k auto`` is the ceiling of the server's choice."""
@@ -77,6 +80,7 @@ def request_config(
             fly=fly,
             sampling=sampling,
             stop=defaults.stop if stop is None else stop,
+            first_token_alone=defaults.first_token_alone and body.stream,
         )
     except ConfigError as error:
         message = str(error)
