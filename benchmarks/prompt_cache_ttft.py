@@ -26,7 +26,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from served import serving  # noqa: E402
 
-from flyspec.bench.llama_server import llama_server_binary, server_arguments  # noqa: E402
+from flyspec.bench.llama_server import (  # noqa: E402
+    ServerSetup,
+    llama_server_binary,
+    server_arguments,
+)
 from flyspec.bench.prompts import dataset_prompts  # noqa: E402
 from flyspec.config import LlamaCppConfig  # noqa: E402
 from flyspec.models.default_pair import default_gguf_paths  # noqa: E402
@@ -61,16 +65,12 @@ def time_to_first_token(client, prompt, *, prediction: bool) -> float:
 
 def llama_server_url():
     """llama-server on the default target's GGUF file, as the bench's ``llama-server`` runs."""
-    config = LlamaCppConfig()
-    arguments = server_arguments(
-        "llama-server",
+    setup = ServerSetup(
         target=default_gguf_paths().target,
-        draft=None,
         threads=default_threads(),
-        context=config.context,
-        batch=512,
-        k=1,
+        context=LlamaCppConfig().context,
     )
+    arguments = server_arguments("llama-server", setup, k=1)
     return running(
         "llama-server",
         lambda port: [llama_server_binary(), *arguments, "--port", str(port)],

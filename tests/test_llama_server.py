@@ -12,7 +12,12 @@ import textwrap
 import pytest
 
 from flyspec.bench import reference_method, run_benchmark
-from flyspec.bench.llama_server import LLAMA_SERVER_METHODS, llama_server_binary, server_arguments
+from flyspec.bench.llama_server import (
+    LLAMA_SERVER_METHODS,
+    ServerSetup,
+    llama_server_binary,
+    server_arguments,
+)
 from flyspec.bench.methods import make_method, method_block, parse_methods
 from flyspec.bench.prompts import BenchPrompt
 from flyspec.bench.report import markdown_table
@@ -78,24 +83,24 @@ def test_a_missing_binary_says_how_to_get_one(monkeypatch, tmp_path):
 
 
 def test_each_method_passes_its_speculation_options():
-    common = dict(target="t.gguf", draft="d.gguf", threads=2, context=4096, batch=512, k=7)
-    plain = server_arguments("llama-server", **common)
+    setup = ServerSetup(target="t.gguf", draft="d.gguf", threads=2, context=4096, batch=512)
+    plain = server_arguments("llama-server", setup, k=7)
     assert "--spec-type" not in plain and "--spec-draft-model" not in plain
     assert plain[plain.index("--threads") + 1] == "2"
     assert plain[plain.index("--ctx-size") + 1] == "4096"
     assert plain[plain.index("--parallel") + 1] == "1"
-    mod = server_arguments("llama-server-ngram-mod", **common)
+    mod = server_arguments("llama-server-ngram-mod", setup, k=7)
     assert mod[mod.index("--spec-type") + 1] == "ngram-mod"
     assert "--spec-draft-n-max" not in mod  # ngram-mod sizes its own drafts
-    simple = server_arguments("llama-server-ngram-simple", **common)
+    simple = server_arguments("llama-server-ngram-simple", setup, k=7)
     assert simple[simple.index("--spec-type") + 1] == "ngram-simple"
     assert simple[simple.index("--spec-draft-n-max") + 1] == "7"
-    draft = server_arguments("llama-server-draft", **common)
+    draft = server_arguments("llama-server-draft", setup, k=7)
     assert draft[draft.index("--spec-draft-model") + 1] == "d.gguf"
     assert draft[draft.index("--spec-type") + 1] == "draft-simple"
     assert draft[draft.index("--spec-draft-n-max") + 1] == "7"
     with pytest.raises(FlyspecError, match="needs the draft model's GGUF"):
-        server_arguments("llama-server-draft", **{**common, "draft": None})
+        server_arguments("llama-server-draft", ServerSetup(target="t.gguf"), k=7)
 
 
 def test_the_server_is_the_baseline_and_its_rows_come_first():

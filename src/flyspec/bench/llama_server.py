@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from flyspec.bench.methods import LLAMA_SERVER_METHOD_NAMES, SampleRun, method_base, method_block
@@ -58,30 +59,53 @@ def llama_server_binary() -> str:
         return on_path
     raise FlyspecError(
         "llama-server was not found: `bash scripts/setup.sh --llamacpp` builds it from the "
-        "binding's llama.cpp (about 20 minutes), or set FLYSPEC_LLAMA_SERVER to a llama-server"
+        "binding's llama.cpp (about 5 minutes), or set FLYSPEC_LLAMA_SERVER to a llama-server"
     )
 
 
-def server_arguments(
-    name: str,
-    *,
-    target: str | Path,
-    draft: str | Path | None,
-    threads: int,
-    context: int,
-    batch: int,
-    k: int,
-) -> list[str]:
+@dataclass(frozen=True)
+class ServerSetup:
+    """What a llama-server runs on, as flyspec's llama.cpp engine does: the GGUF files (the
+    draft's None where there is none), threads, context and batch."""
+
+    target: str | Path
+    draft: str | Path | None = None
+    threads: int = 1
+    context: int = 8192
+    batch: int = 512
+
+    @classmethod
+    def of_engine(cls, engine) -> ServerSetup:
+        """The setup of a llama.cpp :class:`~flyspec.engine.Engine`."""
+        target, draft = engine.decoder.target, engine.decoder.draft
+        return cls(
+            target=target.path,
+            draft=None if draft is None else draft.path,
+            threads=target.threads,
+            context=target.context_length,
+            batch=target.runner.batch_size,
+        )
+
+
+def server_arguments(name: str, setup: ServerSetup, *, k: int) -> list[str]:
     """llama-server's command-line options for the method ``name`` (port excepted)."""
     spec_type = LLAMA_SERVER_METHODS[name]
-    arguments = ["--model", str(target), "--host", "127.0.0.1", "--ctx-size", str(context)]
-    arguments += ["--threads", str(threads), "--threads-batch", str(threads)]
-    arguments += ["--batch-size", str(batch), "--ubatch-size", str(batch), "--parallel", "1"]
+    threads, batch = str(setup.threads), str(setup.batch)
+    arguments = ["--model", str(setup.target), "--host", "127.0.0.1"]
+    arguments += [
+        "--ctx-size",
+        str(setup.context),
+        "--threads",
+        threads,
+        "--threads-batch",
+        threads,
+    ]
+    arguments += ["--batch-size", batch, "--ubatch-size", batch, "--parallel", "1"]
     arguments += ["--no-webui", "--log-disable"]
     if spec_type == "draft-simple":
-        if draft is None:
+        if setup.draft is None:
             raise FlyspecError(f"method {name} needs the draft model's GGUF file")
-        arguments += ["--spec-draft-model", str(draft), "--spec-draft-threads", str(threads)]
+        arguments += ["--spec-draft-model", str(setup.draft), "--spec-draft-threads", threads]
     if spec_type is not None:
         arguments += ["--spec-type", spec_type]
     if name in LLAMA_SERVER_SIZED:
@@ -95,16 +119,7 @@ class LlamaServerMethod:
     prompt time taken from the server's own ``timings``."""
 
     def __init__(
-        self,
-        name: str,
-        *,
-        target: str | Path,
-        draft: str | Path | None,
-        threads: int,
-        context: int,
-        batch: int,
-        eos_token_ids: Collection[int],
-        config,
+        self, name: str, setup: ServerSetup, *, eos_token_ids: Collection[int], config
     ) -> None:
         base = method_base(name)
         block = method_block(name)
@@ -115,21 +130,17 @@ class LlamaServerMethod:
         self.sampling = config.sampling
         self.eos_token_ids = frozenset(eos_token_ids)
         self.binary = llama_server_binary()
-        arguments = server_arguments(
-            base,
-            target=target,
-            draft=draft,
-            threads=threads,
-            context=context,
-            batch=batch,
-            k=k,
-        )
+        arguments = server_arguments(base, setup, k=k)
         self.server = ChildServer(
             name,
             lambda port: [self.binary, *arguments, "--port", str(port)],
             start_seconds=START_SECONDS,
         )
-        self.settings = {"engine": "llama-server", "threads": threads, "context": context}
+        self.settings = {
+            "engine": "llama-server",
+            "threads": setup.threads,
+            "context": setup.context,
+        }
         spec_type = LLAMA_SERVER_METHODS[base]
         if spec_type is not None:
             self.settings["spec_type"] = spec_type

@@ -498,16 +498,11 @@ def make_method(
     if base in GGUF_METHODS and llamacpp_engine is None:
         raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
     if base in LLAMA_SERVER_METHOD_NAMES:
-        from flyspec.bench.llama_server import LlamaServerMethod
+        from flyspec.bench.llama_server import LlamaServerMethod, ServerSetup
 
-        target, draft = llamacpp_engine.decoder.target, llamacpp_engine.decoder.draft
         return LlamaServerMethod(
             name,
-            target=target.path,
-            draft=None if draft is None else draft.path,
-            threads=target.threads,
-            context=target.context_length,
-            batch=target.runner.batch_size,
+            ServerSetup.of_engine(llamacpp_engine),
             eos_token_ids=llamacpp_engine.decoder.eos_token_ids,
             config=config,
         ).start()

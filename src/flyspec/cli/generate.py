@@ -340,16 +340,12 @@ def plain_llamacpp_peers(args: argparse.Namespace, engine, config: cfg.DecodeCon
         threads = default_threads()
     peers = []
     if llama_server_built():
-        from flyspec.bench.llama_server import LlamaServerMethod
+        from flyspec.bench.llama_server import LlamaServerMethod, ServerSetup
 
         try:
             server = LlamaServerMethod(
                 "llama-server",
-                target=path,
-                draft=None,
-                threads=threads,
-                context=args.llamacpp_context,
-                batch=512,
+                ServerSetup(target=path, threads=threads, context=args.llamacpp_context),
                 eos_token_ids=engine.decoder.eos_token_ids,
                 config=config,
             )
