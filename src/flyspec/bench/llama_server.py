@@ -14,8 +14,9 @@ other methods:
 - ``llama-server-draft``: the draft GGUF drafting (``--spec-type draft-simple
   --spec-draft-model``), up to K tokens.
 
-K is the method's ``@K`` or ``-k``. The binary is ``$FLYSPEC_LLAMA_SERVER``, else the one
-``scripts/setup.sh --llamacpp`` links beside this Python, else ``llama-server`` on the PATH.
+K is the method's ``@K`` or ``-k`` (:func:`flyspec.bench.methods.make_method` reads it).
+The binary is ``$FLYSPEC_LLAMA_SERVER``, else the one ``scripts/setup.sh --llamacpp`` links
+beside this Python, else ``llama-server`` on the PATH.
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flyspec.bench.methods import LLAMA_SERVER_METHOD_NAMES, SampleRun, method_base, method_block
+from flyspec.bench.sample_run import SampleRun
+from flyspec.config import SamplingConfig
 from flyspec.errors import FlyspecError
 from flyspec.support.child_server import ChildServer
 
 # name -> --spec-type, or None: plain decoding.
-LLAMA_SERVER_METHODS: dict[str, str | None] = dict(
-    zip(LLAMA_SERVER_METHOD_NAMES, (None, "ngram-mod", "ngram-simple", "draft-simple"), strict=True)
-)
+LLAMA_SERVER_METHODS: dict[str, str | None] = {
+    "llama-server": None,
+    "llama-server-ngram-mod": "ngram-mod",
+    "llama-server-ngram-simple": "ngram-simple",
+    "llama-server-draft": "draft-simple",
+}
 LLAMA_SERVER_SIZED = frozenset({"llama-server-ngram-simple", "llama-server-draft"})
 """The methods whose largest draft is K (``@K`` or ``-k``); ngram-mod sizes its own."""
 START_SECONDS = 300
@@ -119,15 +124,17 @@ class LlamaServerMethod:
     prompt time taken from the server's own ``timings``."""
 
     def __init__(
-        self, name: str, setup: ServerSetup, *, eos_token_ids: Collection[int], config
+        self,
+        name: str,
+        setup: ServerSetup,
+        *,
+        k: int,
+        eos_token_ids: Collection[int],
+        sampling: SamplingConfig,
     ) -> None:
-        base = method_base(name)
-        block = method_block(name)
-        if block == "auto":
-            raise FlyspecError(f"{name}: llama-server has no auto block size; give @K")
-        k = block or config.k
+        base = name.partition("@")[0]  # a method's name may end in @K
         self.name = name
-        self.sampling = config.sampling
+        self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
         self.binary = llama_server_binary()
         arguments = server_arguments(base, setup, k=k)

@@ -23,10 +23,12 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Protocol
 
+from flyspec.bench.llama_server import LLAMA_SERVER_METHODS, LlamaServerMethod, ServerSetup
+from flyspec.bench.sample_run import SampleRun
 from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
@@ -67,12 +69,7 @@ LLAMACPP_LOOP_METHODS: dict[str, str] = {
 }
 LLAMACPP_OWN_METHODS = ("llamacpp-target", "llamacpp-lookup")
 LLAMACPP_METHODS = (*LLAMACPP_OWN_METHODS, *LLAMACPP_LOOP_METHODS)
-LLAMA_SERVER_METHOD_NAMES = (
-    "llama-server",
-    "llama-server-ngram-mod",
-    "llama-server-ngram-simple",
-    "llama-server-draft",
-)  # flyspec.bench.llama_server
+LLAMA_SERVER_METHOD_NAMES = tuple(LLAMA_SERVER_METHODS)  # flyspec.bench.llama_server
 GGUF_METHODS = (*LLAMA_SERVER_METHOD_NAMES, *LLAMACPP_METHODS)  # on the pair's GGUF files
 PEER_BASELINES = {"llama-server": "llama_server", "llamacpp-target": "llamacpp"}
 """llama.cpp's plain decoding, by its server and by its binding -> the suffix of the report's
@@ -166,21 +163,6 @@ def parse_methods(text: str, *, baseline: str = "target") -> list[str]:
     # llama-server's rows first: what the others are set beside.
     rest.sort(key=lambda name: method_base(name) not in LLAMA_SERVER_METHOD_NAMES)
     return [baseline, *rest]
-
-
-@dataclass
-class SampleRun:
-    """One prompt run by one method: new tokens (EOS excluded), wall seconds of the call and,
-    for flyspec's methods, the per-round statistics."""
-
-    token_ids: list[int]
-    seconds: float
-    stats: RequestStats | None = None
-    peak_rss_bytes: int = 0  # the process and its children while the prompt ran
-    state_bytes: int = 0  # KV caches after the prompt (flyspec's methods)
-    touched_bytes: int = 0  # the memory the run itself read or wrote (its own)
-    prefill_seconds: float | None = None  # reading the prompt but its last token; None: unknown
-    server_timings: dict | None = None  # llama-server's own timings of the request
 
 
 def measured_run(method, prompt_ids: Sequence[int], **settings) -> SampleRun:
@@ -498,13 +480,15 @@ def make_method(
     if base in GGUF_METHODS and llamacpp_engine is None:
         raise FlyspecError(f"method {name} runs on the GGUF files: it needs a llama.cpp engine")
     if base in LLAMA_SERVER_METHOD_NAMES:
-        from flyspec.bench.llama_server import LlamaServerMethod, ServerSetup
-
+        block = method_block(name)
+        if block == "auto":
+            raise FlyspecError(f"{name}: llama-server has no auto block size; give @K")
         return LlamaServerMethod(
             name,
             ServerSetup.of_engine(llamacpp_engine),
+            k=block or config.k,
             eos_token_ids=llamacpp_engine.decoder.eos_token_ids,
-            config=config,
+            sampling=config.sampling,
         ).start()
     if base in LLAMACPP_METHODS:
         if base in LLAMACPP_OWN_METHODS:

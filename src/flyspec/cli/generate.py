@@ -346,8 +346,9 @@ def plain_llamacpp_peers(args: argparse.Namespace, engine, config: cfg.DecodeCon
             server = LlamaServerMethod(
                 "llama-server",
                 ServerSetup(target=path, threads=threads, context=args.llamacpp_context),
+                k=1,  # plain decoding drafts nothing
                 eos_token_ids=engine.decoder.eos_token_ids,
-                config=config,
+                sampling=config.sampling,
             )
             say("starting llama-server for the comparison ...")
             peers.append(PlainPeer("llama-server", "llama_server", server.start(), path.name))
