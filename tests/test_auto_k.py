@@ -388,47 +388,6 @@ def test_the_controller_chooses_with_the_policy_of_the_kind_it_is_given():
     assert {key[-1] for key in policies.policies} == {"model", "prediction"}
 
 
-def learn_kept_blocks(controller: RequestAutoK, kind: str, *, k: int, rounds: int) -> None:
-    """``rounds`` rounds of blocks of ``kind`` drafting ``k`` tokens, all kept, learnt by the
-    request's controller as the decoder has it learn them."""
-    from flyspec.decoding.stats import RoundStats
-
-    history = []
-    for _ in range(rounds):
-        controller.choose(kind, k, at_least=k)
-        history.append(
-            RoundStats(
-                drafted=k,
-                accepted=k,
-                loosely_accepted=0,
-                emitted=k + 1,
-                draft_seconds=0.0,
-                verify_seconds=0.1,
-            )
-        )
-        controller.learn(history, drafted=k, draft_seconds=0.0, verify_seconds=0.1, settled=None)
-
-
-def test_each_request_learns_what_it_keeps_of_its_own_prediction():
-    """A rename keeps all of its prediction, added type hints little: what one request kept
-    of its prediction does not hold the next back, while what it kept of the draft model's
-    blocks carries over, and so do the costs."""
-    policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.1, 16: 0.2}), draft_token_seconds=0.0)
-    config = DecodeConfig(mode="spd", k=15, auto_k=True)
-    types = RequestAutoK(policies, config)
-    for _ in range(30):  # a prediction broken at every other token
-        types.choose("prediction", 15, at_least=2)
-        observe(types._policy, drafted=2, kept=0, verify_seconds=0.12)
-        types.choose("model", 15, at_least=2)
-        observe(types._policy, drafted=2, kept=0, verify_seconds=0.12)
-    assert types.choose("prediction", 15) == 0
-    rename = RequestAutoK(policies, config)
-    assert rename.choose("prediction", 15) > 0  # starts afresh
-    assert rename.choose("model", 15) == 0  # the shared estimate
-    costs = policies.block_costs  # shared: scaled to what the first request measured
-    assert costs.scale == pytest.approx(0.12 / costs.measured(3), rel=1e-3)
-
-
 def test_a_predictions_run_may_go_past_k_where_long_blocks_cost_little():
     # Flat costs (a GPU): a prediction's run takes blocks up to LONG_BLOCK, the model's -k.
     policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.1, 16: 0.101}), draft_token_seconds=0.0)
@@ -436,7 +395,8 @@ def test_a_predictions_run_may_go_past_k_where_long_blocks_cost_little():
     controller = RequestAutoK(policies, config)
     assert largest_block(config, "prediction") == LONG_BLOCK == 64
     assert largest_block(config, "model") == largest_block(config, "prediction-found") == 15
-    learn_kept_blocks(controller, "prediction", k=15, rounds=10)  # kept whole
+    for _ in range(10):  # the prediction's blocks are kept whole
+        observe(policies.policy(config, "prediction"), drafted=15, kept=15, verify_seconds=0.1)
     assert controller.choose("prediction", 100) == LONG_BLOCK
     assert controller.choose("prediction", 40) == 40  # the budget left caps it
     assert controller.choose("lookup", 100) <= 15

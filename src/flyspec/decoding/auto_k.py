@@ -24,7 +24,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,9 +47,6 @@ DECAY = 0.95
 PLAUSIBLE_RATE = 0.95
 """The acceptance per position a probe must be able to profit from; above what FLy keeps on the
 default pair at K=15 (88-94% of draft tokens)."""
-PER_REQUEST_KINDS = frozenset({"prediction", "prediction-found"})
-"""The kinds of block whose acceptance each request learns for itself (blocks of its own
-prediction); the others' is shared by the requests of a decoder."""
 COST_SMOOTHING = 0.3
 """Weight of a newly measured forward or drafting time in the running cost."""
 LONG_BLOCK = 64
@@ -348,28 +345,12 @@ class RequestAutoK:
         self.config = config
         self._policy: AutoK | None = None
         self._chose: dict[int, AutoK] = {}  # round slot -> the policy that chose its block
-        self._own: dict[str, AutoK] = {}  # the request's own policies of its prediction's blocks
 
     def choose(self, kind: str, limit: int, *, at_least: int = 0) -> int:
         """K for the next round, a block of ``kind`` (at most ``limit``, at least
         ``at_least``)."""
-        self._policy = self._policy_of(kind)
+        self._policy = self.policies.policy(self.config, kind)
         return self._policy.choose(limit, at_least=at_least)
-
-    def _policy_of(self, kind: str) -> AutoK:
-        """The shared policy of ``kind``; for blocks of the request's own prediction, a policy
-        of the request's, with the shared costs and its acceptance learnt afresh: how much of
-        a prediction is kept depends on the edit (a rename keeps nearly all of the code, added
-        type hints break it on every line), so what one request kept of its prediction says
-        little of the next's."""
-        shared = self.policies.policy(self.config, kind)
-        if kind not in PER_REQUEST_KINDS:
-            return shared
-        if kind not in self._own:
-            self._own[kind] = replace(shared, plain_rounds=0, probe_after=PROBE_AFTER)
-        own = self._own[kind]
-        own.costs = shared.costs
-        return own
 
     def learn(
         self,
