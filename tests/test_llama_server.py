@@ -315,3 +315,25 @@ def running_llama_servers() -> list[int]:
         if parent == os.getpid() and b"llama-server" in command:
             found.append(int(folder.name))
     return found
+
+
+def test_the_doctor_says_whether_llama_server_runs(monkeypatch, tmp_path):
+    from flyspec.cli.doctor import check_llama_server
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'version: 1 (build 1, commit abc)' >&2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("FLYSPEC_LLAMA_SERVER", str(fake))
+    finding = check_llama_server()
+    assert finding.status == "ok" and "version: 1 (build 1, commit abc)" in finding.detail
+    fake.write_text("#!/bin/sh\necho 'illegal instruction' >&2\nexit 132\n")
+    finding = check_llama_server()
+    assert finding.status == "fails" and "illegal instruction" in finding.detail
+    monkeypatch.setenv("FLYSPEC_LLAMA_SERVER", str(tmp_path / "nothing"))
+    assert check_llama_server().status == "fails"
+    monkeypatch.delenv("FLYSPEC_LLAMA_SERVER")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    finding = check_llama_server()
+    assert finding.status == "missing", finding
+    assert "scripts/setup.sh --llamacpp" in finding.fix

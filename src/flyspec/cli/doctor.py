@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -30,7 +31,9 @@ class Finding:
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "doctor", help="check what runs on this machine (torch, kernels, llama.cpp, vLLM, models)"
+        "doctor",
+        help="check what runs on this machine (torch, kernels, llama.cpp and its server, vLLM, "
+        "models)",
     )
     parser.add_argument(
         "--recheck", action="store_true", help="check llama.cpp's binding anew, not from its record"
@@ -47,6 +50,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         lambda: check_torch(identity),
         check_kernels,
         lambda: check_llamacpp(recheck=args.recheck),
+        check_llama_server,
         check_vllm,
         check_models,
         check_gguf_files,
@@ -129,6 +133,34 @@ def check_llamacpp(*, recheck: bool = False) -> Finding:
             "llama.cpp", "ok", f"llama-cpp-python {llamacpp_version()} decodes on this CPU"
         )
     return Finding("llama.cpp", "fails", verdict.detail, rebuild_command())
+
+
+def check_llama_server() -> Finding:
+    """llama.cpp's own server, which the bench's llama-server methods and the quick start's
+    comparison run: there and answering ``--version``, or how to get it."""
+    import subprocess
+
+    from flyspec.bench.llama_server import llama_server_binary
+    from flyspec.errors import FlyspecError
+
+    fix = "scripts/setup.sh --llamacpp (builds llama-server: about 5 minutes on 2 cores)"
+    try:
+        binary = llama_server_binary()
+    except FlyspecError as error:
+        named = bool(os.environ.get("FLYSPEC_LLAMA_SERVER"))
+        detail = str(error) if named else "not built, named by FLYSPEC_LLAMA_SERVER or on the PATH"
+        return Finding("llama-server", "fails" if named else "missing", detail, fix)
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return Finding("llama-server", "fails", f"{binary} does not run: {error}", fix)
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return Finding("llama-server", "fails", f"{binary} --version failed: {last[0]}", fix)
+    version = next(
+        (line for line in (done.stdout + done.stderr).splitlines() if "version" in line), ""
+    )
+    return Finding("llama-server", "ok", f"{binary} ({version.strip() or 'runs'})")
 
 
 def check_vllm() -> Finding:
