@@ -106,7 +106,7 @@ def server_arguments(name: str, setup: ServerSetup, *, k: int) -> list[str]:
         threads,
     ]
     arguments += ["--batch-size", batch, "--ubatch-size", batch, "--parallel", "1"]
-    arguments += ["--no-webui", "--log-disable"]
+    arguments += ["--no-webui"]
     if spec_type == "draft-simple":
         if setup.draft is None:
             raise FlyspecError(f"method {name} needs the draft model's GGUF file")

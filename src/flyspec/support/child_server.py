@@ -28,8 +28,8 @@ class ChildServer:
     its output kept in a temporary file for the reason of a failed start.
 
     :meth:`start` waits until ``GET {url}{health}`` answers 200, or raises FlyspecError with
-    the last line of the child's output where it exits first or does not answer within
-    ``start_seconds``; :meth:`stop` ends it (also on a failed start)."""
+    the last lines of the child's output, on one line, where it exits first or does not
+    answer within ``start_seconds``; :meth:`stop` ends it (also on a failed start)."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class ChildServer:
             if self.process.poll() is not None:
                 raise FlyspecError(
                     f"{self.name} exited with status {self.process.returncode} before it "
-                    f"answered: {self.last_output() or 'it printed nothing'}"
+                    f"answered: {self.last_output(3) or 'it printed nothing'}"
                 )
             try:
                 with urllib.request.urlopen(self.url + self.health, timeout=2) as response:
@@ -81,7 +81,7 @@ class ChildServer:
             if time.monotonic() > deadline:
                 raise FlyspecError(
                     f"{self.name} did not answer {self.health} within {self.start_seconds:.0f} s: "
-                    f"{self.last_output() or 'it printed nothing'}"
+                    f"{self.last_output(3) or 'it printed nothing'}"
                 )
             time.sleep(0.2)
 
