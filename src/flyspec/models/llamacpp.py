@@ -153,7 +153,7 @@ class LlamaCppForward:
             for index in range(max(0, first_logit - start), len(piece)):
                 pointer = self._api.llama_get_logits_ith(self._context, index)
                 rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab_size,)).copy())
-        return torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(rows[0][None] if len(rows) == 1 else np.stack(rows))  # one copy
 
     def _fill_batch(self, piece: Sequence[int], start: int, first_logit: int) -> None:
         batch = self._batch
