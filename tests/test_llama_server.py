@@ -305,15 +305,16 @@ def running_llama_servers() -> list[int]:
     """The pids of this process's children that run llama-server."""
     from pathlib import Path
 
+    from flyspec.support.machine import running_children
+
     found = []
-    for folder in Path("/proc").glob("[0-9]*"):
+    for pid in running_children():
         try:
-            parent = int((folder / "stat").read_text().rpartition(")")[2].split()[1])
-            command = (folder / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
             continue
-        if parent == os.getpid() and b"llama-server" in command:
-            found.append(int(folder.name))
+        if b"llama-server" in command:
+            found.append(pid)
     return found
 
 

@@ -27,7 +27,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Protocol
 
-from flyspec.bench.llama_server import LLAMA_SERVER_METHODS, LlamaServerMethod, ServerSetup
+from flyspec.bench.llama_server import (
+    LLAMA_SERVER_METHODS,
+    LLAMA_SERVER_SIZED,
+    LlamaServerMethod,
+    ServerSetup,
+)
 from flyspec.bench.sample_run import SampleRun
 from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.stats import RequestStats
@@ -94,7 +99,7 @@ METHODS_NEEDING_DRAFT = frozenset(
 )
 LLAMACPP_METHODS_NEEDING_DRAFT = frozenset(
     name for name, method in LLAMACPP_LOOP_METHODS.items() if method in METHODS_NEEDING_DRAFT
-) | {"llama-server-draft"}
+) | {name for name, spec_type in LLAMA_SERVER_METHODS.items() if spec_type == "draft-simple"}
 LOSSLESS_METHODS = frozenset(
     {
         "target",
@@ -118,7 +123,7 @@ LOSSLESS_METHODS = frozenset(
 SPECULATIVE_METHODS = frozenset(
     {name for name, (mode, _) in FLYSPEC_METHODS.items() if mode != "target"}
     | {name for name, method in LLAMACPP_LOOP_METHODS.items() if method != "target"}
-    | {"llama-server-ngram-simple", "llama-server-draft"}  # whose largest draft is K
+    | LLAMA_SERVER_SIZED
 )
 
 

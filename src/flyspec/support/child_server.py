@@ -9,7 +9,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 
@@ -76,8 +75,8 @@ class ChildServer:
                 with urllib.request.urlopen(self.url + self.health, timeout=2) as response:
                     if response.status == 200:
                         return
-            except (OSError, urllib.error.HTTPError):
-                pass  # not listening yet, or still loading (503)
+            except OSError:  # not listening yet, or still loading (HTTPError 503)
+                pass
             if time.monotonic() > deadline:
                 raise FlyspecError(
                     f"{self.name} did not answer {self.health} within {self.start_seconds:.0f} s: "

@@ -207,16 +207,25 @@ def _own_cpu_seconds(include_children: bool = False) -> float:
 
 def _running_children_cpu_seconds() -> float:
     """The CPU seconds of this process's running children (0 where /proc cannot say)."""
-    parent, ticks, total = os.getpid(), os.sysconf("SC_CLK_TCK"), 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    # After the command's name: state, ppid, ..., utime and stime (the 12th and 13th).
+    return sum(
+        (int(fields[11]) + int(fields[12])) / ticks for fields in running_children().values()
+    )
+
+
+def running_children() -> dict[int, list[str]]:
+    """This process's running children: pid -> the fields of ``/proc/PID/stat`` after the
+    command's name (state, ppid, ...); empty where /proc cannot say."""
+    parent, children = os.getpid(), {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
         except OSError:  # ended meanwhile
             continue
-        # After the command's name: state, ppid, ..., utime and stime (the 12th and 13th).
         if len(fields) > 12 and int(fields[1]) == parent:
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+            children[int(stat.parent.name)] = fields
+    return children
 
 
 def _stall() -> float | None:
