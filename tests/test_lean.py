@@ -143,14 +143,55 @@ def test_the_compiled_forward_refuses_what_it_cannot_compile(model):
         check_compiled_forward(KernelConfig(forward="compiled"))
     check_compiled_forward(KernelConfig(forward="lean"))
     check_compiled_forward(replace(KernelConfig.plain(), forward="compiled"))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch._dynamo.exc.Unsupported("an operator it cannot trace"),
+        RuntimeError("an inductor failure"),  # not one of dynamo's exception classes
+        AssertionError("an assertion inside the compiler"),
+    ],
+)
+def test_any_failure_to_compile_runs_eagerly_with_one_line(model, capsys, error):
     runner = LeanForward(model, compiled=True)
 
     def fails(*args):
-        raise torch._dynamo.exc.Unsupported("an operator it cannot trace")
+        raise error
 
     runner._compiled_layers = fails
-    with pytest.raises(FlyspecError, match="could not compile .*cannot trace"):
-        runner.forward(torch.tensor([[1, 2]]), 1)
+    tokens = [5, 9, 2, 33]
+    with torch.inference_mode():
+        logits = runner.forward(torch.tensor([tokens]), 2)
+        later = runner.forward(torch.tensor([[7]]), 1)
+    assert runner.forward_path == "lean" and runner.length == len(tokens) + 1
+    torch.testing.assert_close(logits, full_forward_logits(model, tokens, 2))
+    torch.testing.assert_close(later, full_forward_logits(model, tokens + [7], 1))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning" in line]
+    assert len(lines) == 1 and "running eagerly" in lines[0] and str(error) in lines[0]
+    assert "Traceback" not in err
+
+
+def test_models_of_many_shapes_and_dtypes_each_compile_in_one_process():
+    # dynamo keeps at most recompile_limit (8) graphs per function, and every model compiles
+    # the same one: without a budget of its own, the fifth model of a new shape failed.
+    graphs_before = counters["stats"]["unique_graphs"]
+    shapes = [(h, dtype) for dtype in (torch.float32, torch.bfloat16) for h in (32, 48, 64, 80)]
+    for index, (hidden, dtype) in enumerate(shapes):
+        model = make_tiny_model(vocab_size=VOCAB, seed=index, hidden=hidden, dtype=dtype)
+        runner = LeanForward(model, compiled=True)
+        tokens = [5, 9, 2, 33, 8, 1]
+        with torch.inference_mode():
+            runner.forward(torch.tensor([tokens[:3]]), 1)
+            runner.forward(torch.tensor([tokens[3:4]]), 1)
+            logits = runner.forward(torch.tensor([tokens[4:]]), 2)
+        assert runner.forward_path == "compiled", f"model {index} ({hidden}, {dtype}) fell back"
+        assert set(runner.compile_checks) == {"token", "block"}
+        expected = full_forward_logits(model, tokens, 2)
+        tolerance = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(logits, expected, **tolerance)
+    assert counters["stats"]["unique_graphs"] - graphs_before > 8
 
 
 def test_other_architectures_fall_back_to_transformers():

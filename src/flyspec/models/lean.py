@@ -17,6 +17,7 @@ agree with ``model(...)`` to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from flyspec.errors import FlyspecError, error_line
+from flyspec.errors import error_line
 from flyspec.support.console import say
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
@@ -99,7 +100,9 @@ class LeanForward:
     blocks of any size compile once each for a model's shapes (seconds to minutes), whatever
     the buffers' capacity; longer forwards (a prompt) run as in eager mode. The first compiled
     forward of each kind is checked against the eager forward (:attr:`compile_checks`); where
-    they differ beyond rounding, the compiled forward is dropped with a one-line warning.
+    they differ beyond rounding, or compiling fails, the compiled forward is dropped with a
+    one-line warning. Each model compiled in a process has a budget of graphs of its own
+    (:func:`one_model_compiling`).
     """
 
     context_length = None
@@ -134,6 +137,9 @@ class LeanForward:
         self.compile_checks: dict[str, float] = {}
         """Per kind of compiled forward (``token``, ``block``): its first forward's largest
         logit difference from the eager forward, relative to the largest eager logit."""
+        self.compile_seconds: dict[str, float] = {}
+        """Per kind of compiled forward: the seconds its first forward took (compiling, and
+        the eager forward it is checked against)."""
         self._compiled_layers = None
         self.pad_sizes: tuple[int, ...] = ()
         if compiled:
@@ -180,7 +186,7 @@ class LeanForward:
                     # Updated in place by the CUDA graphs, which keep its address; any
                     # capacity runs the same graph.
                     torch._dynamo.mark_static_address(buffer)
-                    torch._dynamo.maybe_mark_dynamic(buffer, 2)
+                    torch._dynamo.mark_dynamic(buffer, 2)
                 buffers.append(buffer)
             return buffers
 
@@ -189,25 +195,9 @@ class LeanForward:
         cos, sin = self.model.model.rotary_emb(like, positions)
         self.cos, self.sin = cos[0], sin[0]
         if self._compiled_layers is not None:
-            torch._dynamo.maybe_mark_dynamic(self.cos, 0)
-            torch._dynamo.maybe_mark_dynamic(self.sin, 0)
+            torch._dynamo.mark_dynamic(self.cos, 0)
+            torch._dynamo.mark_dynamic(self.sin, 0)
         self.capacity = capacity
-
-    def _project_qkv(
-        self, attention: torch.nn.Module, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``[1, heads, n, head_dim]``, keys and values ``[1, kv_heads, n, head_dim]``
-        of ``x`` ``[1, n, D]``, through the merged projection where the kernels made one
-        (:func:`flyspec.models.kernels.merge_int8_projections`)."""
-        n = x.shape[1]
-        merged = getattr(attention, "merged_qkv_proj", None)
-        if merged is None:
-            projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
-        else:
-            kv_width = self.num_kv_heads * self.head_dim
-            widths = (self.num_heads * self.head_dim, kv_width, kv_width)
-            projected = merged(x).split(widths, dim=-1)
-        return tuple(p.view(1, n, -1, self.head_dim).transpose(1, 2) for p in projected)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
@@ -236,13 +226,15 @@ class LeanForward:
     def _compiled_forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """:meth:`forward` through the compiled layers, at the padded size: the padding's keys
         and values land past the new tokens, where nothing sees them before a later forward
-        overwrites them."""
+        overwrites them. Where compiling fails, whatever the error, this forward and every
+        later one run eagerly, said in one line."""
         n = input_ids.shape[1]
         size = next((s for s in self.pad_sizes if s >= n), n)
+        padded = input_ids
         if size > n:
-            input_ids = torch.cat((input_ids, input_ids[:, -1:].expand(1, size - n)), dim=1)
+            padded = torch.cat((input_ids, input_ids[:, -1:].expand(1, size - n)), dim=1)
         start = self.length
-        hidden = self.model.model.embed_tokens(input_ids)  # [1, size, D]
+        hidden = self.model.model.embed_tokens(padded)  # [1, size, D]
         self._reserve(start + size, hidden)
         positions = torch.arange(start, start + size, device=self.device)
         # Every buffered position, those past each new token masked: fixed shapes.
@@ -255,13 +247,22 @@ class LeanForward:
                 logits = self._logits(output[:, :n], num_logits)
             else:
                 logits = self._first_compiled(kind, hidden, positions, visible, n, num_logits)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            raise FlyspecError(
-                f"torch.compile could not compile this model's layers "
-                f"({error_line(error, limit=200)}); use the lean forward"
-            ) from error
+        except Exception as error:  # noqa: BLE001 - any failure to compile runs eagerly
+            self._drop_compiled(f"could not compile it ({error_line(error, limit=200)})")
+            return self.forward(input_ids, num_logits)  # the cache's values written again
         self.length = start + n
         return logits
+
+    def _drop_compiled(self, reason: str) -> None:
+        """Run every later forward eagerly, saying why on stderr in one line."""
+        say(f"warning: {self._name()}'s compiled forward: {reason}; running eagerly")
+        self._compiled_layers = None
+        self.forward_path = "lean"
+
+    def _name(self) -> str:
+        """The model's name: its folder's or hub id's last part, else its type."""
+        path = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
+        return path.rstrip("/").rsplit("/", 1)[-1]
 
     def _first_compiled(
         self,
@@ -275,28 +276,26 @@ class LeanForward:
         """The first compiled forward of ``kind``, said on stderr (it compiles), checked
         against the same forward run eagerly: where the two differ beyond rounding, the
         compiled forward is dropped."""
-        path = getattr(self.model.config, "_name_or_path", "") or self.model.config.model_type
-        name = path.rstrip("/").rsplit("/", 1)[-1]  # a folder's or hub id's last part
+        name = self._name()
         say(f"compiling {name}'s forward ({'one token' if kind == 'token' else 'blocks'}) ...")
         started = time.perf_counter()
         eager = self._logits(self._layers(hidden, positions, visible, None)[:, :n], num_logits)
         # The compiled layers write the same positions again: the cache holds their values.
-        compiled = self._compiled_layers(hidden, positions, visible, None)
+        with one_model_compiling():
+            compiled = self._compiled_layers(hidden, positions, visible, None)
         logits = self._logits(compiled[:, :n], num_logits)
         scale = eager.abs().max().clamp_min(torch.finfo(eager.dtype).tiny)
         difference = float((logits - eager).abs().max() / scale)
         self.compile_checks[kind] = difference
         tolerance = COMPILE_CHECK_TOLERANCE.get(eager.dtype, HALF_CHECK_TOLERANCE)
-        seconds = time.perf_counter() - started
+        seconds = self.compile_seconds[kind] = time.perf_counter() - started
         if math.isfinite(difference) and difference <= tolerance:
             say(f"compiled {name}'s forward in {seconds:.0f} s")
             return logits
-        say(
-            f"warning: {name}'s compiled forward differs from the eager one ({difference:.2g} of "
-            f"the largest logit, over {tolerance:.2g} allowed in {eager.dtype}): running eagerly"
+        self._drop_compiled(
+            f"differs from the eager one ({difference:.2g} of the largest logit, over "
+            f"{tolerance:.2g} allowed in {eager.dtype})"
         )
-        self._compiled_layers = None
-        self.forward_path = "lean"
         self._layers(hidden, positions, visible, None)  # the eager values back in the cache
         return eager
 
@@ -311,7 +310,7 @@ class LeanForward:
         if hidden.shape[1] > 1:
             sized += [(hidden, 1), (positions, 0), (visible, 0)]
         for tensor, dim in sized:
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            torch._dynamo.mark_dynamic(tensor, dim)
 
     def _layers(
         self,
@@ -325,29 +324,99 @@ class LeanForward:
         to the first ``key_length`` buffered positions (None: all of them) where ``visible``
         ``bool[n, key_length]`` allows (None: causally, which on an empty cache is the
         same)."""
-        n = hidden.shape[1]
         cos = self.cos[positions]  # [n, head_dim], broadcast over [1, heads, n, head_dim]
         sin = self.sin[positions]
-        half = self.head_dim // 2
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
         for index, layer in enumerate(self.model.model.layers):
-            attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q, k, v = self._project_qkv(attention, x)
-            self.keys[index].index_copy_(2, positions, rotate(k))
-            self.values[index].index_copy_(2, positions, v)
-            attended = F.scaled_dot_product_attention(
-                rotate(q),
-                self.keys[index][:, :, :key_length],
-                self.values[index][:, :, :key_length],
-                attn_mask=visible,
-                is_causal=visible is None and n > 1,
-                scale=attention.scaling,
-                enable_gqa=self.grouped_query_attention,
-            )  # [1, heads, n, head_dim]
-            hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = decoder_layer(
+                layer,
+                hidden,
+                self.keys[index],
+                self.values[index],
+                cos,
+                sin,
+                positions,
+                visible,
+                key_length,
+                self.grouped_query_attention,
+            )
         return hidden
+
+
+GRAPHS_PER_MODEL = 8
+"""The graphs each compiled model may add, whatever came before it in the process: dynamo's
+own default limit for one function."""
+
+
+def one_model_compiling() -> contextlib.AbstractContextManager:
+    """dynamo's settings while a model's forward compiles (its first forward of a kind).
+
+    - A budget of graphs per model. dynamo caps the graphs it keeps for one function's code
+      (``recompile_limit``, 8 by default), and every :class:`LeanForward` compiles the same
+      function, :meth:`LeanForward._layers`: models of other shapes or dtypes need graphs of
+      their own (two each: one token, and blocks), so under the default cap the fifth such
+      model in a process would fail to compile. While one compiles, the cap is what the
+      process has compiled (every graph counted: an upper bound of ours) plus
+      :data:`GRAPHS_PER_MODEL`.
+    - No automatic dynamic shapes. The sizes that vary (the buffers' capacity, a block's
+      length) are marked dynamic where the inputs are made; a second model of another width
+      gets graphs of its own sizes, not graphs made symbolic in its width.
+
+    Set for the compile alone (a patch costs about 20 us, too much for every forward).
+    """
+    from torch._dynamo.utils import counters
+
+    config = torch._dynamo.config
+    limit = counters["stats"]["unique_graphs"] + GRAPHS_PER_MODEL
+    return config.patch(
+        recompile_limit=max(config.recompile_limit, limit),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
+        automatic_dynamic_shapes=False,
+    )
+
+
+def decoder_layer(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor | None,
+    key_length: int | None,
+    grouped_query_attention: bool,
+) -> torch.Tensor:
+    """One Llama-layout decoder ``layer`` over ``hidden`` ``[1, n, D]``: the new keys and values
+    are written into ``keys`` and ``values`` ``[1, kv_heads, capacity, head_dim]`` at
+    ``positions`` ``long[n]`` (rotated by ``cos`` and ``sin`` ``[n, head_dim]``), and each new
+    token attends to the first ``key_length`` buffered positions (None: all) where ``visible``
+    allows (None: causally)."""
+    n, head_dim = hidden.shape[1], keys.shape[-1]
+    half = head_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    attention = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    merged = getattr(attention, "merged_qkv_proj", None)
+    if merged is None:
+        projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
+    else:  # the bit-identical merged copy (flyspec.models.kernels.merge_int8_projections)
+        kv_width = keys.shape[1] * head_dim
+        out = merged(x)
+        projected = out.split((out.shape[-1] - 2 * kv_width, kv_width, kv_width), dim=-1)
+    q, k, v = (p.view(1, n, -1, head_dim).transpose(1, 2) for p in projected)
+    keys.index_copy_(2, positions, rotate(k))
+    values.index_copy_(2, positions, v)
+    attended = F.scaled_dot_product_attention(
+        rotate(q),
+        keys[:, :, :key_length],
+        values[:, :, :key_length],
+        attn_mask=visible,
+        is_causal=visible is None and n > 1,
+        scale=attention.scaling,
+        enable_gqa=grouped_query_attention,
+    )  # [1, heads, n, head_dim]
+    hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
