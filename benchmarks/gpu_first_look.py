@@ -10,7 +10,16 @@ No weights travel: the models are random-weight models with the shapes of the de
     python benchmarks/gpu_first_look.py                          # a CUDA GPU (not yet timed)
     python benchmarks/gpu_first_look.py --quick                  # the goals' rows only
     python benchmarks/gpu_first_look.py --targets 1.5b,7b        # a subset of the targets
+    python benchmarks/gpu_first_look.py --device cpu --rehearse --quick   # the lease, rehearsed
     python benchmarks/gpu_first_look.py --device cpu --tiny      # tiny shapes on the CPU
+
+``--rehearse`` runs on the CPU the sequence a lease runs, with or without ``--quick``: the same
+distinct models, each with its real layers, heads and vocabulary and a width of its own
+(:data:`REHEARSAL_WIDTH_DIVISOR`), in the same dtypes (bfloat16, and float32 for the same
+tokens), the same phases and the same compiles in the same order, with no time limit: what
+would stop a lease on a GPU (a compile that fails, a model that cannot build) stops it here
+first. ``--tiny`` is a quicker check of the script: every model of one tiny shape, so one
+model's graphs serve all (it cannot see what each new shape costs).
 
 It prints one table (Markdown) and writes it as ``gpu_first_look.json`` and
 ``gpu_first_look.md`` under ``$OUT`` when that is set, and under ``--output DIR``. Progress goes
@@ -19,8 +28,9 @@ the other phases go on; phases that would start after ``--time-limit`` seconds a
 rows name flyspec's commit (:func:`flyspec.support.machine.git_commit`: the checkout's, or the
 ``TREE_COMMIT`` file ``benchmarks/name_tree.sh`` writes into a copy; else "unknown").
 
-The rows, by phase (``--quick``: only the same tokens' lossless and compiled rows, and the
-compiled and replay phases with the replays of :data:`QUICK_REPLAYS`):
+The rows, by phase (``--quick``: the compiled and replay phases with the replays of
+:data:`QUICK_REPLAYS`, the targets largest first, then the same tokens' lossless and compiled
+rows; every phase says on stderr how long it took and the graphs it compiled):
 
 - ``bandwidth``: a device-to-device copy of one large tensor (CUDA events, median), counting
   the bytes read and written, as the ceiling of a memory-bound forward.
@@ -75,6 +85,12 @@ compiled and replay phases with the replays of :data:`QUICK_REPLAYS`):
   verification runs, and each round keeps what the trace says. Tokens per second against the
   compiled target alone on the same prompts: speed *at the real pair's recorded acceptance*,
   never the real pair's speed.
+- ``compiles``: per model (name and dtype), the graphs its phases compiled and each compile's
+  seconds, cold or from inductor's cache; failed where a compile failed or, with a shape of
+  its own, where the model compiled nothing.
+- ``goal``: last, one row per goal of the GPU engine (:data:`GOALS`, and the same tokens of
+  exact decoding): met, missed or not run, with its figure (on the CPU, a rehearsal of the
+  table, not a GPU figure).
 
 Windows of a decode start after its first round, so that neither the prompt's prefill nor the
 first round's start-up counts.
@@ -88,6 +104,7 @@ import gc
 import importlib.util
 import io
 import json
+import math
 import os
 import platform
 import statistics
@@ -167,9 +184,9 @@ OVERHEAD_KS = (4, 8, 15)
 COMPILED_K = 8
 SAME_TOKENS_TARGET = "1.5b"
 SAME_TOKENS_K = 8
-COMPILE_SECONDS = 120
-"""What a compiled row is given before the time limit: compiling a target's shape and
-capturing its graphs (a guess until a GPU has run it; the row records what it took)."""
+COMPILE_BUDGET_S = {"32b": 150, "7b": 80, "1.5b": 80, "0.5b": 60}
+"""What a phase that compiles a model is given before the time limit, by model: its graphs
+compiled and their CUDA graphs captured (derived in docs/benchmarks.md, "The lease's budget")."""
 MAX_NEW_TOKENS = 16  # V(n) for n = 1 .. 16: a block of 15 drafted tokens and the last one
 TINY_SHAPE = {
     "hidden_size": 64,
@@ -179,6 +196,11 @@ TINY_SHAPE = {
     "num_key_value_heads": 2,
     "vocab_size": 256,
 }
+REHEARSAL_WIDTH_DIVISOR = 16
+"""``--rehearse``: every model with its real layers, heads, key-value heads and vocabulary, its
+hidden and MLP widths divided by this (head dimensions of 4 and 8 instead of 64 and 128): a
+shape of its own for each model, as on the GPU, so that a CPU compiles what the GPU would."""
+SHAPES = ("real", "rehearsal", "tiny")
 SYNC_WARNING = "synchronizing CUDA operation"
 
 
@@ -518,11 +540,22 @@ def measure_copy_bandwidth(device: torch.device, sizes: Sizes) -> Row:
     )
 
 
-def load_config(name: str, *, tiny: bool):
-    """The shipped config of model ``name`` (``MODELS``); ``tiny`` shrinks it (TINY_SHAPE)."""
+def load_config(name: str, *, shapes: str):
+    """The shipped config of model ``name`` (``MODELS``): as it is (``real``), narrowed
+    (``rehearsal``: :data:`REHEARSAL_WIDTH_DIVISOR`) or shrunk (``tiny``: :data:`TINY_SHAPE`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(CONFIGS / MODELS[name], **(TINY_SHAPE if tiny else {}))
+    path = CONFIGS / MODELS[name]
+    if shapes == "tiny":
+        return AutoConfig.from_pretrained(path, **TINY_SHAPE)
+    if shapes == "rehearsal":
+        real = AutoConfig.from_pretrained(path)
+        narrowed = {
+            key: getattr(real, key) // REHEARSAL_WIDTH_DIVISOR
+            for key in ("hidden_size", "intermediate_size")
+        }
+        return AutoConfig.from_pretrained(path, **narrowed)
+    return AutoConfig.from_pretrained(path)
 
 
 def build_model(config, *, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -554,7 +587,7 @@ def bytes_per_token(model: torch.nn.Module, context: int) -> tuple[int, int]:
 def model_row(name: str, model: torch.nn.Module, context: int, seconds: float) -> Row:
     """The model built: its size, what a one-token forward reads, and finite logits."""
     prompt = torch.randint(model.config.vocab_size, (8,), generator=torch.Generator()).tolist()
-    logits = CachedLM(model).logits(prompt, 1)
+    logits = CachedLM(model, forward_path="lean").logits(prompt, 1)
     if not bool(torch.isfinite(logits).all()):
         raise RuntimeError("the random weights give non-finite logits")
     weights, kv = bytes_per_token(model, context)
@@ -1201,10 +1234,47 @@ def profile_row(name: str, model: torch.nn.Module, sizes: Sizes, *, tokens: int 
 # --------------------------------------------------------------------------- the run
 
 
+@dataclass(frozen=True)
+class Compile:
+    """One graph compiled by dynamo in a phase (one frame, fullgraph): its seconds, whether
+    inductor found it in its cache (a warm compile), and why it failed (None: it did not)."""
+
+    seconds: float
+    cached: bool
+    failure: str | None
+
+
+@dataclass(frozen=True)
+class PhaseCompiles:
+    """The graphs a phase compiled, for the model ``model`` (the one the phase compiles
+    first; None: a phase meant to compile nothing)."""
+
+    model: str | None
+    phase: str
+    subject: str
+    compiles: tuple[Compile, ...]
+
+
+def compiles_since_cleared() -> tuple[Compile, ...]:
+    """The graphs dynamo compiled since its metrics were last cleared."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return tuple(
+        Compile(
+            seconds=m.entire_frame_compile_time_s or 0.0,
+            cached=bool(m.inductor_fx_local_cache_hit_count)
+            and not m.inductor_fx_local_cache_miss_count,
+            failure=m.fail_type,
+        )
+        for m in get_compilation_metrics()
+        if m.co_name  # a frame's compile (not a runtime record)
+    )
+
+
 class Table:
-    """The rows being made, with the start time and the time limit of the run. After each
-    phase, ``after_phase`` gets the rows so far (the run saves them: a run cut short keeps
-    what it measured)."""
+    """The rows being made, with the start time and the time limit of the run, and the
+    graphs each phase compiled. After each phase, ``after_phase`` gets the rows so far (the
+    run saves them: a run cut short keeps what it measured)."""
 
     def __init__(
         self, time_limit: float, after_phase: Callable[[list[Row]], None] | None = None
@@ -1213,6 +1283,7 @@ class Table:
         self.after_phase = after_phase
         self.started = time.perf_counter()
         self.rows: list[Row] = []
+        self.compiles: list[PhaseCompiles] = []
 
     def phase(
         self,
@@ -1221,10 +1292,14 @@ class Table:
         work: Callable[[], Row | list[Row]],
         *,
         needs: float = 0,
+        compiles: str | None = None,
     ) -> list[Row]:
         """Run one phase and add its rows: a failure is a row with its reason, and a phase
         that would start past the time limit, or end past it by its expected ``needs``
-        seconds, is skipped."""
+        seconds, is skipped. The graphs it compiles are counted for the model ``compiles``,
+        and its time is said and kept in its first row (``phase_s``)."""
+        from torch._dynamo.utils import clear_compilation_metrics
+
         elapsed = time.perf_counter() - self.started
         if elapsed + needs > self.time_limit:
             reason = f"time limit of {self.time_limit:.0f} s"
@@ -1233,6 +1308,7 @@ class Table:
             rows = [Row(phase, subject, "skipped", reason)]
         else:
             log(f"{phase}: {subject} ({elapsed:.0f} s)")
+            clear_compilation_metrics()
             try:
                 produced = work()
                 rows = produced if isinstance(produced, list) else [produced]
@@ -1242,6 +1318,15 @@ class Table:
                 reason = error_line(error, limit=200)
                 log(f"{phase}: {subject} FAILED: {reason}")
                 rows = [Row(phase, subject, "failed", reason)]
+            seconds = time.perf_counter() - self.started - elapsed
+            compiled = compiles_since_cleared()
+            self.compiles.append(PhaseCompiles(compiles, phase, subject, compiled))
+            rows[0].values["phase_s"] = round(seconds, 2)
+            said = f"{phase}: {subject} took {seconds:.1f} s"
+            if compiled:
+                each = ", ".join(f"{c.seconds:.1f}" for c in compiled)
+                said += f", {len(compiled)} graphs compiled ({each} s)"
+            log(said)
         self.rows.extend(rows)
         for row in rows:
             log(markdown([row]).splitlines()[-1])
@@ -1275,6 +1360,7 @@ def environment(device: torch.device, dtype: torch.dtype, args: argparse.Namespa
         "python": platform.python_version(),
         "commit": git_commit(),
         "tiny": args.tiny,
+        "shapes": shapes_of(args),
         "cpu_threads": torch.get_num_threads(),
         "targets": args.targets,
     }
@@ -1289,16 +1375,20 @@ class FirstLook:
         self.args = args
         self.device = torch.device(args.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: pass --device cpu (with --tiny)")
-        self.dtype = resolve_dtype(args.dtype, self.device)
+            raise SystemExit("no CUDA device: pass --device cpu (with --rehearse or --tiny)")
+        self.dtype = resolve_dtype(args.dtype, self.device, rehearse=args.rehearse)
         if self.device.type == "cpu":
             torch.set_num_threads(args.threads)
-        self.sizes = TINY if args.tiny else FULL
+        self.shapes = shapes_of(args)
+        self.sizes = FULL if self.shapes == "real" else TINY
         self.targets = parse_targets(args.targets)
         if args.quick:
             self.targets.sort(key=QUICK_ORDER.index)
-        if self.device.type == "cpu" and not args.tiny and {"7b", "32b"} & set(self.targets):
-            raise SystemExit("the 7B and 32B shapes need a GPU: pass --tiny on the CPU")
+        real = self.shapes == "real"
+        if self.device.type == "cpu" and real and {"7b", "32b"} & set(self.targets):
+            raise SystemExit(
+                "the 7B and 32B shapes need a GPU: pass --rehearse (or --tiny) on the CPU"
+            )
         self.env = environment(self.device, self.dtype, args)
         self.folders = output_folders(args)
         self.table = Table(args.time_limit, after_phase=self.save)
@@ -1306,6 +1396,7 @@ class FirstLook:
         self.bandwidth: float | None = None
         self.draft_ms: float | None = None
         self.eager: dict[tuple[str, str | int], Row] = {}  # rows to compare compiled ones with
+        self.draft_compiled = False  # whether a phase has compiled the draft's forward yet
 
     def run(self) -> tuple[dict, list[Row]]:
         env = self.env
@@ -1318,9 +1409,9 @@ class FirstLook:
             lambda: measure_copy_bandwidth(self.device, self.sizes),
         )
         self.bandwidth = self.table.value(rows, "bytes_per_second")
-        self.check_same_tokens()
-        release_memory(self.device)
         if not self.args.quick:
+            self.check_same_tokens()
+            release_memory(self.device)
             self.measure_draft()
             for name in self.targets:
                 self.measure_target(name)
@@ -1334,9 +1425,24 @@ class FirstLook:
         for index, name in enumerate(self.targets):
             self.measure_compiled(name, draft, loop=index == 0)
             release_memory(self.device)
+        if self.args.quick:  # after the targets: the largest ones' goals come first
+            del draft
+            release_memory(self.device)
+            self.check_same_tokens()
+        self.table.rows.extend(compile_rows(self.table.compiles, shapes=self.shapes))
+        self.table.rows.extend(goal_rows(self.table.rows, on_cuda=self.device.type == "cuda"))
         env["elapsed_s"] = round(time.perf_counter() - self.table.started, 1)
         env["complete"] = True
         return env, self.table.rows
+
+    def label(self, name: str, dtype: torch.dtype | None = None) -> str:
+        """How the compile rows name model ``name`` in ``dtype`` (default: the run's)."""
+        return f"{name} {str(dtype or self.dtype).removeprefix('torch.')}"
+
+    def compile_needs(self, name: str) -> float:
+        """The seconds a phase that compiles model ``name`` is given before the time limit
+        (:data:`COMPILE_BUDGET_S`; none on the CPU's shapes, which have no time limit)."""
+        return COMPILE_BUDGET_S[name] if self.shapes == "real" else 0
 
     def build(self, name: str, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
         """Model ``name`` on the device, in ``dtype`` (default: the run's), or None (its row
@@ -1346,7 +1452,7 @@ class FirstLook:
 
         def work() -> Row:
             started = time.perf_counter()
-            config = load_config(name, tiny=self.args.tiny)
+            config = load_config(name, shapes=self.shapes)
             seed = list(MODELS).index(name)
             built.append(build_model(config, device=self.device, dtype=dtype, seed=seed))
             wait_for_device(self.device)
@@ -1418,12 +1524,22 @@ class FirstLook:
         cases = same_tokens_cases(SAME_TOKENS_K)
         for case in cases if not self.args.quick else [c for c in cases if c.lossless]:
             self.table.phase("same tokens", case.subject, case_row(case, reference))
-        needs = 0 if self.args.tiny else COMPILE_SECONDS
+        float32 = torch.float32
         self.table.phase(
-            "same tokens", "the target alone, compiled, against eager", against_eager, needs=needs
+            "same tokens",
+            "the target alone, compiled, against eager",
+            against_eager,
+            needs=self.compile_needs(SAME_TOKENS_TARGET),
+            compiles=self.label(SAME_TOKENS_TARGET, float32),
         )
         for case in compiled_same_tokens_cases(SAME_TOKENS_K):
-            self.table.phase("same tokens", case.subject, case_row(case, compiled), needs=needs)
+            self.table.phase(
+                "same tokens",
+                case.subject,
+                case_row(case, compiled),
+                needs=self.compile_needs(DRAFT) if case.draft == "draft" else 0,
+                compiles=self.label(DRAFT, float32) if case.draft == "draft" else None,
+            )
 
     def measure_compiled(self, name: str, draft: torch.nn.Module | None, *, loop: bool) -> None:
         """The target ``name`` on the compiled forward: alone (against the eager row of the
@@ -1433,7 +1549,10 @@ class FirstLook:
         compiling takes the longest."""
         model = self.build(name)
         sizes, bandwidth, device = self.sizes, self.bandwidth, self.device
-        needs = 0 if self.args.tiny else COMPILE_SECONDS
+        label = self.label(name)
+        replayed = bool((QUICK_REPLAYS if self.args.quick else REPLAYS).get(name))
+        draft_first = replayed and not self.draft_compiled  # its replays compile the draft
+        self.draft_compiled = self.draft_compiled or replayed
 
         def alone(m: torch.nn.Module) -> Row:
             return compiled_row(
@@ -1462,29 +1581,38 @@ class FirstLook:
             if missing:
                 raise RuntimeError(f"no trace {', '.join(missing)} in {TRACES}")
             requests = sizes.replay_requests
-            if self.args.quick and not self.args.tiny:
+            if self.args.quick and self.shapes == "real":
                 requests = QUICK_REPLAY_REQUESTS
             wanted = [(s, traces[s, t]) for s, t in plan]
             return replay_rows(name, m, draft, wanted, requests=requests)
 
         self.table.phase(
-            "compiled", f"target {name}, mode target", self.measured(model, alone), needs=needs
+            "compiled",
+            f"target {name}, mode target",
+            self.measured(model, alone),
+            needs=self.compile_needs(name),
+            compiles=label,
         )
         self.table.phase(
             "compiled",
             f"target {name}: V(n), compiled",
             self.measured(model, lambda m: compiled_cost_row(name, m, sizes)),
+            compiles=label,
         )
         if loop:
             self.table.phase(
                 "compiled",
                 f"target {name} drafting for itself, FLy K={COMPILED_K}",
                 self.measured(model, drafting),
-                needs=needs,
+                compiles=label,
             )
-        if (QUICK_REPLAYS if self.args.quick else REPLAYS).get(name):
+        if replayed:
             self.table.phase(
-                "replay", f"traces on the {name} target", self.measured(model, replays), needs=needs
+                "replay",
+                f"traces on the {name} target",
+                self.measured(model, replays),
+                needs=self.compile_needs(DRAFT) if draft_first else 0,
+                compiles=self.label(DRAFT) if draft_first else label,
             )
 
     def measure_draft(self) -> None:
@@ -1549,17 +1677,195 @@ class FirstLook:
 
 
 def describe(env: dict) -> str:
+    shapes = {
+        "tiny": "; TINY shapes (a check of the script, not figures)",
+        "rehearsal": "; REHEARSAL shapes (the real layers, heads and vocabularies, narrowed: "
+        "a rehearsal of the GPU run, not figures)",
+    }
     return (
         f"{env['dtype']}; torch {env['torch']}, transformers {env['transformers']}, Python "
         f"{env['python']}; commit {env['commit'] or 'unknown'}; {env['date']}"
-        + ("; TINY shapes (a check of the script, not figures)" if env["tiny"] else "")
+        + shapes.get(env.get("shapes", "real"), "")
     )
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a GPU, float32 on the CPU (where bfloat16 is slow)."""
+def shapes_of(args: argparse.Namespace) -> str:
+    """The models' shapes (:data:`SHAPES`) the arguments ask for."""
+    return "tiny" if args.tiny else "rehearsal" if args.rehearse else "real"
+
+
+def compile_rows(phases: Sequence[PhaseCompiles], *, shapes: str) -> list[Row]:
+    """One row per model: the graphs its phases compiled, each compile's seconds, cold (built
+    by inductor) or warm (from inductor's cache). Failed where a compile failed, or, with
+    shapes of their own for every model (not ``tiny``), where a model compiled no graph."""
+    by_model: dict[str, list[PhaseCompiles]] = {}
+    for phase in phases:
+        key = phase.model or f"none expected ({phase.phase}: {phase.subject})"
+        if phase.model or phase.compiles:
+            by_model.setdefault(key, []).append(phase)
+    rows = []
+    for model, its in by_model.items():
+        compiles = [c for phase in its for c in phase.compiles]
+        failures = [c.failure for c in compiles if c.failure]
+        seconds = [c.seconds for c in compiles]
+        cold = sum(not c.cached for c in compiles)
+        values = {
+            "graphs": len(compiles),
+            "compile_s": [round(t, 2) for t in seconds],
+            "cold": cold,
+            "failures": failures,
+            "phases": [f"{phase.phase}: {phase.subject}" for phase in its if phase.compiles],
+        }
+        result = f"{len(compiles)} graphs, {sum(seconds):.1f} s compiling"
+        detail = (
+            f"each: {', '.join(f'{t:.1f} s' for t in seconds) or 'none'}; {cold} cold, "
+            f"{len(compiles) - cold} from inductor's cache; in "
+            + ("; ".join(values["phases"]) or "no phase")
+        )
+        status = "ok"
+        if failures:
+            status, result = "failed", f"{len(failures)} compiles failed ({failures[0]}); {result}"
+        elif not compiles and shapes != "tiny":
+            status, result = "failed", "no graph compiled: it ran eagerly"
+        elif model.startswith("none expected"):
+            status, result = "failed", f"compiled where no compile was expected: {result}"
+        rows.append(Row("compiles", model, status, result, detail, values))
+    return rows
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A goal of the GPU engine: the row (``phase``, a prefix of its ``subject``) and value it
+    is read from, the bound it must meet, and whether smaller is better."""
+
+    name: str
+    phase: str
+    subject: str
+    key: str
+    bound: float
+    smaller: bool = True
+    unit: str = ""
+
+
+GOALS = (
+    Goal(
+        "target alone, compiled, engine/bound, 32B shape",
+        "compiled",
+        "target 32b, mode target",
+        "engine_over_bound",
+        1.3,
+    ),
+    Goal(
+        "target alone, compiled, engine/bound, 7B shape",
+        "compiled",
+        "target 7b, mode target",
+        "engine_over_bound",
+        1.3,
+    ),
+    Goal(
+        "target alone, compiled, engine/bound, 1.5B",
+        "compiled",
+        "target 1.5b, mode target",
+        "engine_over_bound",
+        2.0,
+    ),
+    Goal(
+        "loop time per round beyond its forwards",
+        "compiled",
+        "target ",
+        "overhead_ms_per_round",
+        0.3,
+        unit=" ms",
+    ),
+    Goal("host reads per round", "compiled", "target ", "syncs_per_round", 1.0),
+    Goal(
+        "FLy at the real pair's trace, 32B shape, over the compiled target alone",
+        "replay",
+        "fly@15 (humaneval) on the 32b target",
+        "speedup",
+        2.5,
+        smaller=False,
+        unit="x",
+    ),
+    Goal(
+        "Predicted Outputs at predict-draft@15, 7B shape, over plain compiled decoding",
+        "replay",
+        "predict-draft@15 (humaneval-edit) on the 7b target",
+        "speedup",
+        4.0,
+        smaller=False,
+        unit="x",
+    ),
+)
+"""The goals of the GPU engine, read from the rows; the loop's two goals from the compiled
+row of a target drafting for itself."""
+
+
+def goal_rows(rows: Sequence[Row], *, on_cuda: bool) -> list[Row]:
+    """One row per goal (:data:`GOALS`, and the same tokens of exact decoding, eager and
+    compiled): met, missed or not run, with its figure. Off CUDA the figures are the CPU's,
+    a rehearsal of the table, not of the goals."""
+    where = "" if on_cuda else "; on the CPU: a rehearsal of this table, not a GPU figure"
+    table = []
+    for goal in GOALS:
+        found = [
+            r
+            for r in rows
+            if r.phase == goal.phase
+            and r.subject.startswith(goal.subject)
+            and (
+                goal.key != "overhead_ms_per_round"
+                and goal.key != "syncs_per_round"
+                or "drafting for itself" in r.subject
+            )
+        ]
+        value = next(
+            (r.values[goal.key] for r in found if r.values.get(goal.key) is not None), None
+        )
+        sign = "<=" if goal.smaller else ">="
+        aim = f"goal {sign} {goal.bound:g}{goal.unit}"
+        if value is None:
+            why = found[0].status if found else "no such row"
+            if found and found[0].status == "ok":
+                why = "not measured on this device"
+            result, values = f"NOT RUN ({why}); {aim}", {"met": None}
+        else:
+            met = value <= goal.bound if goal.smaller else value >= goal.bound
+            result = f"{'MET' if met else 'MISSED'}: {value:.3g}{goal.unit}; {aim}"
+            values = {"met": met, "value": value, "bound": goal.bound}
+        subject = found[0].subject if found else goal.subject
+        table.append(Row("goal", goal.name, "ok", result, f"from {subject}{where}", values))
+    exact = [
+        r
+        for r in rows
+        if r.phase == "same tokens"
+        and (r.subject.startswith("spd") or "against eager" in r.subject)
+    ]
+    ran = [r for r in exact if r.status != "skipped"]
+    if not ran:
+        result, met = "NOT RUN; goal: every row the target's tokens", None
+    else:
+        met = len(ran) == len(exact) and all(r.status == "ok" for r in ran)
+        same = sum(r.status == "ok" for r in ran)
+        result = f"{'MET' if met else 'MISSED'}: {same}/{len(exact)} rows the target's tokens"
+    table.append(
+        Row(
+            "goal",
+            "exact SPD and prediction tokens = the target's, float32, eager and compiled",
+            "ok",
+            result,
+            "the same tokens rows of exact decoding" + where,
+            {"met": met},
+        )
+    )
+    return table
+
+
+def resolve_dtype(name: str, device: torch.device, *, rehearse: bool = False) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU and in the rehearsal of one, float32 on the CPU otherwise
+    (where bfloat16 is slow)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or rehearse else torch.float32
     return getattr(torch, name)
 
 
@@ -1602,14 +1908,22 @@ def output_folders(args: argparse.Namespace) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU form)")
+    shapes = parser.add_mutually_exclusive_group()
+    shapes.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU form)")
+    shapes.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="the CPU rehearsal: every model with its real layers, heads and vocabulary, "
+        f"narrowed {REHEARSAL_WIDTH_DIVISOR}-fold, no time limit unless given",
+    )
     parser.add_argument("--targets", default=",".join(TARGETS), help="some of 1.5b,7b,32b")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--output", type=Path, help="also write the JSON and Markdown here")
     parser.add_argument(
         "--time-limit",
         type=float,
-        help="skip phases that would start later (s; default 420, with --quick 300)",
+        help="skip phases that would start later (s; default 420, with --quick 300; none with "
+        "--rehearse or --tiny)",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads on the CPU (default 1: shared cores)"
@@ -1623,7 +1937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.time_limit is None:
-        args.time_limit = 300 if args.quick else 420
+        args.time_limit = math.inf if args.rehearse or args.tiny else 300 if args.quick else 420
     first_look = FirstLook(args)
     env, rows = first_look.run()
     print(markdown(rows), flush=True)

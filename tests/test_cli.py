@@ -289,7 +289,13 @@ def test_half_precision_target_with_the_default_int8_draft(capsys, tiny_pair, dt
     )
     assert code == 0, err
     assert json.loads(out)["stats"]["emitted"] == 6
-    assert "draft: int8" in err
+    assert "draft: int8" in err and f"(dtype: {dtype}," in err
+
+
+def test_the_dtype_is_float32_by_default_on_the_cpu_and_the_load_line_says_so(capsys, tiny_pair):
+    code, out, err = generate_on_tiny_pair(capsys, tiny_pair, "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert "(dtype: float32 (auto)," in err
 
 
 @pytest.mark.parametrize("temperature", ["1e-300", "1e-100", "1e-40", "1e-6"])

@@ -76,6 +76,10 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
         "kernel check": 1,
         "compiled": 3 * 2 + 1,  # each target alone and its V(n); the first drafting for itself
         "replay": sum(len(plan) for plan in gpu_first_look.REPLAYS.values()),
+        # the models that compile: the same tokens' target and draft, and each target (all
+        # float32 on the CPU, and of one tiny shape: the first compiles, the others reuse)
+        "compiles": 4,
+        "goal": len(gpu_first_look.GOALS) + 1,
     }
     (kernel,) = rows_of(report, "kernel check")
     assert kernel["status"] == "skipped"
@@ -254,8 +258,20 @@ def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_first_look.json").read_text())
-    phases = {row["phase"] for row in report["rows"]}
-    assert phases == {"device", "bandwidth", "model", "same tokens", "compiled", "replay"}
+    phases = [row["phase"] for row in report["rows"]]
+    assert set(phases) == {
+        "device",
+        "bandwidth",
+        "model",
+        "same tokens",
+        "compiled",
+        "replay",
+        "compiles",
+        "goal",
+    }
+    # the targets' goals first, the same tokens after them, the tables of compiles and goals last
+    assert phases.index("compiled") < phases.index("same tokens") < phases.index("compiles")
+    assert phases[-len(gpu_first_look.GOALS) - 1 :] == ["goal"] * (len(gpu_first_look.GOALS) + 1)
     replays = [row["subject"] for row in rows_of(report, "replay")]
     assert replays == [
         f"{trace} ({subset}) on the {name} target, compiled"
@@ -375,3 +391,47 @@ def test_the_kernel_check_says_why_it_did_not_run(tmp_path, monkeypatch):
         "skipped",
         "on the CPU it needs TRITON_INTERPRET=1",
     )
+
+
+def test_the_rehearsal_builds_and_compiles_every_model_of_the_lease(tmp_path):
+    """``--rehearse --quick`` on the CPU: the lease's sequence, models of the real depths, heads
+    and vocabularies, each of a shape of its own, in the lease's dtypes: every model compiles
+    its own graphs in one process (the fifth used to fail at dynamo's recompile limit), no
+    row fails, and the table of goals closes the run."""
+    completed = subprocess.run(
+        [sys.executable, str(_PATH), "--device", "cpu", "--rehearse", "--quick"]
+        + ["--output", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "OUT"},
+        timeout=2400,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_first_look.json").read_text())
+    assert report["environment"]["shapes"] == "rehearsal"
+    assert [row for row in report["rows"] if row["status"] != "ok"] == []
+    built = {row["subject"]: row["detail"] for row in rows_of(report, "model")}
+    for name, layers, vocab in (("32b", 64, 152064), ("7b", 28, 152064), ("1.5b", 28, 151936)):
+        details = [d for s, d in built.items() if s.startswith(f"{name} ")]
+        assert details and all(
+            d.startswith(f"{layers} layers, ") and f"vocab {vocab};" in d for d in details
+        )
+    compiles = {row["subject"]: row["values"] for row in rows_of(report, "compiles")}
+    assert set(compiles) == {
+        "32b bfloat16",
+        "0.5b bfloat16",
+        "7b bfloat16",
+        "1.5b bfloat16",
+        "1.5b float32",
+        "0.5b float32",
+    }
+    for values in compiles.values():
+        assert values["graphs"] == 2 and not values["failures"]  # one token, and blocks
+        assert len(values["compile_s"]) == 2 and min(values["compile_s"]) > 0
+    assert "graphs compiled (" in completed.stderr  # each compile's seconds, as it goes
+    goals = rows_of(report, "goal")
+    assert len(goals) == len(gpu_first_look.GOALS) + 1
+    assert all(
+        row["result"].split(":")[0].split(" ")[0] in ("MET", "MISSED", "NOT") for row in goals
+    )
+    assert goals[-1]["result"].startswith("MET: 7/7")  # exact decodes: the target's tokens

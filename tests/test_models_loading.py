@@ -10,7 +10,7 @@ import torch
 from flyspec.engine import eos_token_ids
 from flyspec.errors import FlyspecError
 from flyspec.models import check_same_tokenizer, load_causal_lm, load_tokenizer, resolve_device
-from flyspec.models.loading import looks_like_hub_id
+from flyspec.models.loading import looks_like_hub_id, resolve_dtype
 from tests.tiny import (
     make_tiny_model,
     make_tiny_tokenizer,
@@ -195,6 +195,20 @@ def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_device("cuda:0") == "cuda:0"
     with pytest.raises(FlyspecError, match="does not exist"):
         resolve_device("cuda:3")
+
+
+def test_the_auto_dtype_is_bfloat16_on_cuda_and_float32_elsewhere(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "cpu") == resolve_dtype("auto", "auto") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(FlyspecError, match="dtype must be one of"):
+        resolve_dtype("int4", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("auto", "cuda", "cuda:1", "balanced"):
+        assert resolve_dtype("auto", device) == torch.bfloat16
+    assert resolve_dtype("float32", "cuda") == torch.float32
+    assert resolve_dtype("auto", "cpu") == torch.float32
 
 
 # --- check_same_tokenizer --------------------------------------------------------------------

@@ -30,6 +30,7 @@ from flyspec.cli.options import (
     add_model_arguments,
     add_vllm_arguments,
     decode_config_from_args,
+    dtype_name,
     forward_threads,
     load_engine,
     load_llamacpp_engine,
@@ -205,7 +206,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report["config"].update(
         device=args.device,
-        dtype=args.dtype,
+        dtype=dtype_name(args),
         chat=chat,
         kernels=None if engine is None else engine.kernels,
     )
@@ -262,7 +263,11 @@ def _run_vllm_bench(args: argparse.Namespace, methods: list[str], config, stamp:
         add_flyspec_methods(
             report,
             own,
-            engine_settings={"device": args.device, "dtype": args.dtype, "kernels": engine.kernels},
+            engine_settings={
+                "device": args.device,
+                "dtype": dtype_name(args),
+                "kernels": engine.kernels,
+            },
         )
     return _finish(args, report, output)
 
@@ -335,7 +340,7 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
             "repeats": args.repeats or 5,
             "target": engine.target_name,
             "draft": engine.draft_name,
-            "dtype": args.dtype,
+            "dtype": dtype_name(args),
             "device": args.device,
             "kernels": kernels,
         },

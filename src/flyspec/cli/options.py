@@ -99,7 +99,12 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         "the pair's from `flyspec models pull --gguf`)",
     )
     group.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
-    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="weight dtype (default auto: bfloat16 on CUDA, float32 elsewhere)",
+    )
     add_option(
         group,
         "--threads",
@@ -199,12 +204,20 @@ def kernel_config_from_args(args: argparse.Namespace) -> cfg.KernelConfig:
     )
 
 
+def dtype_name(args: argparse.Namespace) -> str:
+    """The weights' dtype --dtype names on --device (``auto`` resolved), as reports give it."""
+    from flyspec.models.loading import resolve_dtype
+
+    return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
+
+
 def load_engine(args: argparse.Namespace, *, with_draft: bool):
     """Load the model pair named by --model/--draft-model with the chosen kernels and threads,
     reporting progress on stderr."""
     import torch
 
     from flyspec.engine import Engine
+    from flyspec.models.loading import resolve_dtype
     from flyspec.support.cpu_math import set_torch_threads
 
     started = time.perf_counter()
@@ -213,17 +226,20 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
         return load_llamacpp_engine(args, with_draft=with_draft)
     if forward_threads(args):
         set_torch_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, args.device)
     engine = Engine.load(
         target=args.target,
         draft=args.draft,
         with_draft=with_draft,
         device=args.device,
-        dtype=getattr(torch, args.dtype),
+        dtype=dtype,
         kernels=kernel_config_from_args(args),
     )
     kernels = engine.kernels
+    chosen = str(dtype).removeprefix("torch.") + (" (auto)" if args.dtype == "auto" else "")
     say(
-        f"loaded in {time.perf_counter() - started:.1f}s (threads: {torch.get_num_threads()}, "
+        f"loaded in {time.perf_counter() - started:.1f}s (dtype: {chosen}, "
+        f"threads: {torch.get_num_threads()}, "
         f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
         f"target: {kernels['target_quant']}, forward: {kernels['forward']})"
     )
@@ -234,7 +250,7 @@ def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
     """The pair named by --model/--draft-model (the default pair's GGUF files) on llama.cpp."""
     from flyspec.engine import Engine
 
-    if args.device not in ("cpu", "auto") or args.dtype != "float32":
+    if args.device not in ("cpu", "auto") or args.dtype not in ("auto", "float32"):
         raise FlyspecError(
             "--backend llamacpp runs the GGUF files' own weights on the CPU: drop --device and "
             "--dtype"

@@ -138,6 +138,24 @@ def resolve_device(device: str | None) -> str:
     raise FlyspecError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N, mps or balanced")
 
 
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """The weights' dtype ``name`` (:data:`DTYPE_NAMES`) on ``device``. ``auto``: bfloat16 on
+    CUDA, where a token's forward reads every weight once and half the bytes is close to half
+    the time; float32 elsewhere, where flyspec's CPU kernels (oneDNN-packed float32 layers, an
+    int8 draft) are float32 and bfloat16 is slow on CPUs without bfloat16 instructions."""
+    if name == "auto":
+        resolved = resolve_device(device)
+        return (
+            torch.bfloat16 if resolved == BALANCED or resolved.startswith("cuda") else torch.float32
+        )
+    if name not in DTYPE_NAMES:
+        raise FlyspecError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 def load_causal_lm(
     spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> transformers.PreTrainedModel:
