@@ -373,6 +373,9 @@ class TimedRunner:
     def crop(self, length: int) -> None:
         self.inner.crop(length)
 
+    def reserve(self, positions: int) -> None:
+        self.inner.reserve(positions)
+
     def state_bytes(self) -> int:
         return self.inner.state_bytes()
 

@@ -693,3 +693,43 @@ def test_a_decoder_that_reuses_its_prefix_reads_only_the_new_part_of_a_prompt(ta
     fed.clear()
     run(fresh, second, config)
     assert fed[0] == len(second) - 1  # without reuse: the whole prompt but its last token
+
+
+@pytest.mark.parametrize("forward_path", ["lean", "compiled"])
+@pytest.mark.parametrize("mode", ["target", "spd", "fly"])
+def test_a_request_allocates_each_cache_once_however_long_it_runs(
+    target, draft, forward_path, mode
+):
+    # 300 prompt tokens and 200 new ones: past the first capacity (256) and its doubling.
+    prompt = [(7 * i + 3) % VOCAB for i in range(300)]
+    config = DecodeConfig(mode=mode, k=6, max_new_tokens=200)
+    decoder = SpeculativeDecoder(target, draft, forward_path=forward_path)
+    tokens = run(decoder, prompt, config)
+    assert decoder.target.runner.allocations == 1
+    if mode != "target":
+        assert decoder.draft.runner.allocations == 1
+    if mode != "fly":
+        assert tokens == target_greedy(target, prompt, 200)
+
+
+def test_the_target_alone_runs_ahead_and_stops_where_the_rounds_did(target):
+    """Greedy, the target alone launches each forward from the device's token before the
+    host reads it: the tokens of plain greedy decoding, ended by the budget or an end token
+    at the same place, and one read of the device a token."""
+    prompt = PROMPTS[0]
+    reference = reference_greedy(target, prompt, 20)
+    config = DecodeConfig(mode="target", max_new_tokens=20)
+    stats = RequestStats()
+    with HostReads() as reads:
+        assert run(SpeculativeDecoder(target), prompt, config, stats) == reference
+    assert reads.count == len(reference) == stats.num_rounds
+    assert stats.finish_reason == "length"
+    end = reference[5]  # an end token there: the request ends before it, one step late
+    expected = reference[: reference.index(end)]
+    decoder = SpeculativeDecoder(target, eos_token_ids={end})
+    stats = RequestStats()
+    assert run(decoder, prompt, config, stats) == expected
+    assert stats.finish_reason == "stop" and stats.emitted == len(expected)
+    # The next request of the decoder reads its own prompt: the step run ahead past the end
+    # token is not left in what it continues.
+    assert run(decoder, prompt, config) == expected

@@ -51,11 +51,12 @@ def test_text_that_may_start_a_stop_string_is_held_back(tokenizer):
     assert not decoder.stopped
 
 
-def test_generate_applies_stop_strings(engine):
-    full = engine.generate("def f", DecodeConfig(mode="spd", k=4, max_new_tokens=30))
+@pytest.mark.parametrize("mode", ["spd", "target"])  # the target alone runs ahead
+def test_generate_applies_stop_strings(engine, mode):
+    full = engine.generate("def f", DecodeConfig(mode=mode, k=4, max_new_tokens=30))
     assert len(full.text) > 4
     stop = full.text[2:4]
-    cut = engine.generate("def f", DecodeConfig(mode="spd", k=4, max_new_tokens=30, stop=(stop,)))
+    cut = engine.generate("def f", DecodeConfig(mode=mode, k=4, max_new_tokens=30, stop=(stop,)))
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.stats.finish_reason == "stop"
     assert len(cut.token_ids) <= len(full.token_ids)

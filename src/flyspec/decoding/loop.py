@@ -13,14 +13,14 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK
+from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import CachedLM, LanguageModel
+from flyspec.models.cache import CachedLM, LanguageModel, read_later
 
 __all__ = [
     "DECODER_REVISION",
@@ -130,6 +130,9 @@ class SpeculativeDecoder:
         request = self._start(prompt_ids, config, stats, drafter, prediction)
         generator = _generator(self.target.device, config)
         try:
+            if request.drafter is None and config.sampling.greedy:
+                yield from self._run_ahead(request)
+                return
             while (room := request.room()) > 0:
                 k = request.block_size(room)
                 draft = request.draft(k)
@@ -150,6 +153,32 @@ class SpeculativeDecoder:
         finally:
             request.clock.resume()
             request.stats.seconds = request.clock.elapsed()
+
+    def _run_ahead(self, request: Request) -> Iterator[TokenEvent]:
+        """The target alone, greedy, running ahead of the host as gpt-fast's decoding does:
+        each token, chosen on the device, is the input of the next forward, launched before
+        the host reads the token. The host checks it (an end token, the budget; the caller a
+        stop string) one step late: a request that ends there has computed one forward too
+        many, and emitted nothing past its end. The same forwards, and so the same tokens,
+        as the rounds of the target alone in :meth:`stream`; one read of the device a token."""
+        token = self.target.logits(request.context, 1)[-1].argmax()  # on the device, unread
+        while (room := request.room()) > 0:
+            request.draft(0)  # no block: times the round from here
+            chosen, read = token, read_later(token)
+            logits = None
+            if room > 1:  # the next forward, launched before the host waits for this token
+                logits = self.target.step(chosen)
+                token = logits.argmax()
+            value = read()
+            if logits is not None:
+                self.target.record_steps([value])
+            verdict = Verdict(num_drafted=0, num_kept=0, loose_positions=(), next_token=value)
+            committed = request.commit(Draft.empty(), verdict, target_logits=None)
+            yield from request.deliver(committed)
+            if committed.finished:
+                request.stats.finish_reason = "stop"
+                return
+        request.stats.finish_reason = "length"
 
     def _start(
         self,
@@ -178,6 +207,12 @@ class SpeculativeDecoder:
         clock = BusyClock()
         if not self.reuse_prefix:
             self.target.reset()
+        # The caches sized for the whole request at once: none of its forwards reallocates.
+        largest = 0 if config.mode == "target" else largest_block(config, "prediction")
+        positions = len(prompt_ids) + config.max_new_tokens + largest + 1
+        for lm in (self.target, self.draft if config.uses_draft_model else None):
+            if lm is not None:
+                lm.reserve(positions)
         # A built-in drafter is new and holds nothing but the draft model's cache.
         if drafter is not None and (given or not self.reuse_prefix):
             drafter.reset()

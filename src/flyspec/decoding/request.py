@@ -188,9 +188,12 @@ class Request:
         self._draft_seconds = self._drafted_at - started
         return draft
 
-    def commit(self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor) -> Committed:
+    def commit(
+        self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor | None
+    ) -> Committed:
         """Commit a verified round (``target_logits``: the target's ``[K+1, V]`` logits over
-        it) to the context and the statistics. A round after a deferral first settles it:
+        it; None for a round of the target alone, which keeps nothing loosely) to the context
+        and the statistics. A round after a deferral first settles it:
         confirmed, the held tokens come first; rolled back, the round is wasted and only the
         correction is committed. A new deferral holds its tokens back."""
         timing = {
@@ -280,7 +283,7 @@ class Request:
         self,
         draft: Draft,
         verdict: Verdict,
-        target_logits: torch.Tensor,
+        target_logits: torch.Tensor | None,
         timing: dict,
         events: list[tuple[TokenEvent, int]],
     ) -> bool:
@@ -291,7 +294,8 @@ class Request:
         records = loose_records(
             verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
         )
-        tokens = draft.tokens[: verdict.num_kept].tolist() + [verdict.next_token]
+        kept = draft.tokens[: verdict.num_kept].tolist() if verdict.num_kept else []
+        tokens = kept + [verdict.next_token]
         origins: list[Origin] = [
             "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
         ] + ["bonus" if verdict.is_bonus else "correction"]
@@ -341,7 +345,7 @@ class Request:
 def loose_records(
     verdict: Verdict,
     draft: Draft,
-    target_logits: torch.Tensor,
+    target_logits: torch.Tensor | None,
     *,
     entropy: str,
     produced: int,

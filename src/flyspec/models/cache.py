@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -32,6 +32,25 @@ def token_tensor(token_ids: Sequence[int], device: torch.device) -> torch.Tensor
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def read_later(value: torch.Tensor) -> Callable[[], int]:
+    """Start reading the one-element ``value`` into Python without waiting: the function
+    returned waits for that value alone and gives it. On CUDA it is copied to pinned memory
+    behind an event, so work queued after it (the next step, launched from ``value`` before
+    the host reads it) does not delay the read; elsewhere it is read when asked."""
+    if value.device.type != "cuda":
+        return lambda: int(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value.reshape(()), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> int:
+        copied.synchronize()
+        return int(host)
+
+    return read
 
 
 class ForwardRunner(Protocol):
@@ -63,6 +82,11 @@ class ForwardRunner(Protocol):
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions (ValueError past the cache's length)."""
+        ...
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` cached positions at once, so that no forward up to
+        there allocates (where the cache is preallocated; else nothing)."""
         ...
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
@@ -122,6 +146,9 @@ class TransformersForward:
             raise ValueError(f"cannot crop a cache of {current} positions to {length}")
         if length < current:
             self.cache.crop(length - current)
+
+    def reserve(self, positions: int) -> None:
+        """Nothing: transformers' cache grows as it goes."""
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         output = self.model(
@@ -190,6 +217,12 @@ class LanguageModel(Protocol):
         read them back: the record of the cache then needs no read of its own."""
         ...
 
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` cached positions at once (a request's prompt, its token
+        budget and its largest block): no forward of the request then reallocates the
+        cache."""
+        ...
+
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
         ...
@@ -244,6 +277,10 @@ class CachedLM:
         """The bytes of the KV cache (kept between requests, so after the longest one its
         largest)."""
         return self.runner.state_bytes()
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` cached positions at once (:meth:`ForwardRunner.reserve`)."""
+        self.runner.reserve(positions)
 
     def reset(self) -> None:
         """Forget everything cached (a new request)."""

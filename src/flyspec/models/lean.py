@@ -90,7 +90,9 @@ class LeanForward:
     """Forward passes over new tokens on top of a KV cache held in preallocated buffers.
 
     ``forward`` appends the new tokens' keys and values in place; ``crop`` only moves the
-    length, so dropping a rejected draft block costs nothing. Buffers grow by doubling.
+    length, so dropping a rejected draft block costs nothing. ``reserve`` sizes the buffers
+    for a whole request at once (the decoder does, at its start); past what was reserved,
+    they grow by doubling (:attr:`allocations` counts the times they were made).
 
     ``compiled``: forwards of up to :data:`COMPILED_MAX_TOKENS` new tokens (a draft step, a
     verified block) run through ``torch.compile``, attending over the whole buffer with a mask
@@ -133,6 +135,8 @@ class LeanForward:
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)  # [capacity, head_dim]
+        self.allocations = 0
+        """How many times the buffers were made: the first time, and at each growth."""
         self.forward_path = "compiled" if compiled else "lean"
         self.compile_checks: dict[str, float] = {}
         """Per kind of compiled forward (``token``, ``block``): its first forward's largest
@@ -166,11 +170,20 @@ class LeanForward:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         self.length = length
 
-    def _reserve(self, needed: int, like: torch.Tensor) -> None:
-        """Make room for ``needed`` positions (buffers in the dtype of ``like``)."""
+    def reserve(self, positions: int) -> None:
+        """Buffers for ``positions`` cached positions, and the padding a compiled forward
+        writes past its new tokens, made now if they are smaller: no forward up to there
+        allocates (on CUDA a new buffer has a new address, which the CUDA graphs would record
+        again). Larger buffers are kept."""
+        margin = max(self.pad_sizes, default=1) - 1
+        self._reserve(positions + margin, self.model.model.embed_tokens.weight, exact=True)
+
+    def _reserve(self, needed: int, like: torch.Tensor, *, exact: bool = False) -> None:
+        """Make room for ``needed`` positions (buffers in the dtype of ``like``): that many
+        (``exact``), or twice the capacity where that is more, as a cache that grows."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity, _MIN_CAPACITY)
+        capacity = max(needed, _MIN_CAPACITY if exact else 2 * self.capacity, _MIN_CAPACITY)
         shape = (1, self.num_kv_heads, capacity, self.head_dim)
         kept = self.length
 
@@ -191,6 +204,7 @@ class LeanForward:
             return buffers
 
         self.keys, self.values = grow(self.keys), grow(self.values)
+        self.allocations += 1
         positions = torch.arange(capacity, device=self.device)[None]
         cos, sin = self.model.model.rotary_emb(like, positions)
         self.cos, self.sin = cos[0], sin[0]

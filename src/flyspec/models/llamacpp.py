@@ -121,6 +121,10 @@ class LlamaCppForward:
         self._api.llama_memory_clear(self._memory, True)
         self.length = 0
 
+    def reserve(self, positions: int) -> None:
+        """Nothing: llama.cpp's context holds :attr:`context_length` positions from the
+        start."""
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions, remove the rest from the KV cache."""
         if not 0 <= length <= self.length:
