@@ -1,6 +1,8 @@
 """Counting the reads of tensor values into Python, the calls that synchronise the host with a
 CUDA device (``int(t)``, ``t.item()``, ``t.tolist()``, ``bool(t)``, ``t.nonzero()``, copies to
-the CPU): on the CPU nothing waits, but their number per round is what a GPU would pay."""
+the CPU), and the tensors made from Python values (``torch.tensor``, ``torch.as_tensor``),
+which on CUDA are copies from the host, waiting unless pinned: on the CPU nothing waits, but
+their number per round is what a GPU would pay."""
 
 from __future__ import annotations
 
@@ -9,16 +11,22 @@ from torch.overrides import TorchFunctionMode
 READS = frozenset(
     {"__int__", "__index__", "__float__", "__bool__", "item", "tolist", "nonzero", "cpu", "numpy"}
 )
+FROM_HOST = frozenset({"tensor", "as_tensor"})
 
 
 class HostReads(TorchFunctionMode):
-    """Inside ``with HostReads() as reads``, ``reads.count`` is the number of reads so far."""
+    """Inside ``with HostReads() as reads``, ``reads.count`` is the number of reads so far, and
+    ``reads.from_host`` the number of tensors made from Python values."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.from_host = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in READS:
+        name = getattr(func, "__name__", None)
+        if name in READS:
             self.count += 1
+        elif name in FROM_HOST:
+            self.from_host += 1
         return func(*args, **(kwargs or {}))

@@ -723,6 +723,7 @@ def test_the_target_alone_runs_ahead_and_stops_where_the_rounds_did(target):
     with HostReads() as reads:
         assert run(SpeculativeDecoder(target), prompt, config, stats) == reference
     assert reads.count == len(reference) == stats.num_rounds
+    assert reads.from_host == 2  # the prompt (its prefill, its last token); no token after it
     assert stats.finish_reason == "length"
     end = reference[5]  # an end token there: the request ends before it, one step late
     expected = reference[: reference.index(end)]

@@ -133,12 +133,10 @@ def request_of_positions(cu_num_drafted: torch.Tensor, num_positions: int) -> to
 
 
 def _block_bounds(
-    cu_num_drafted: torch.Tensor | None, num_positions: int, device: torch.device
+    cu_num_drafted: torch.Tensor, num_positions: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(request_of, block_start, block_end)``, each ``long[T]``: the request of every
-    flattened position and the bounds of its block; one block when ``cu_num_drafted`` is None."""
-    if cu_num_drafted is None:
-        cu_num_drafted = torch.tensor([num_positions], device=device)
+    flattened position and the bounds of its block."""
     cu_num_drafted = cu_num_drafted.long()
     request_of = request_of_positions(cu_num_drafted, num_positions)
     block_start = torch.cat([cu_num_drafted.new_zeros(1), cu_num_drafted[:-1]])
@@ -151,16 +149,21 @@ def window_holds(
     """Whether the ``window`` positions after each position are all accepted and inside its
     block (``i + window <= end - 1``): ``bool[T] -> bool[T]``. One block by default; a
     flattened batch of ragged blocks with ``cu_num_drafted`` (``long[B]``, the cumulative
-    per-request draft counts). Vectorised, no host sync."""
+    per-request draft counts). Vectorised, no host sync, and for one block no tensor made
+    from host values (on CUDA, a copy that waits)."""
     num_positions = accepted.shape[0]
-    _, _, block_end = _block_bounds(cu_num_drafted, num_positions, accepted.device)
     # rejections_before[j] = number of rejected positions in [0, j) of the flattened batch.
     rejections_before = torch.zeros(num_positions + 1, dtype=torch.long, device=accepted.device)
     rejections_before[1:] = (~accepted).long().cumsum(0)
     positions = torch.arange(num_positions, device=accepted.device)
     window_end = positions + window + 1  # exclusive end of the window after position i
-    fits = window_end <= block_end
-    clamped_end = torch.minimum(window_end, block_end)
+    if cu_num_drafted is None:  # one block, which ends with the last position
+        fits = window_end <= num_positions
+        clamped_end = window_end.clamp(max=num_positions)
+    else:
+        _, _, block_end = _block_bounds(cu_num_drafted, num_positions)
+        fits = window_end <= block_end
+        clamped_end = torch.minimum(window_end, block_end)
     return fits & (rejections_before[clamped_end] == rejections_before[positions + 1])
 
 
@@ -301,7 +304,7 @@ def loose_token_features(
 def kept_prefix(kept: torch.Tensor, cu_num_drafted: torch.Tensor) -> torch.Tensor:
     """Which positions come before their block's cut (the first unkept position), i.e. are
     emitted: ``bool[T], long[B] -> bool[T]``. Vectorised, no host sync."""
-    _, block_start, _ = _block_bounds(cu_num_drafted, kept.shape[0], kept.device)
+    _, block_start, _ = _block_bounds(cu_num_drafted, kept.shape[0])
     # unkept_through[j + 1] = number of unkept positions in [0, j] of the flattened batch.
     unkept_through = torch.zeros(kept.shape[0] + 1, dtype=torch.long, device=kept.device)
     unkept_through[1:] = (~kept).long().cumsum(0)
