@@ -222,3 +222,16 @@ def test_training_mode_and_unknown_paths_are_refused(model):
         model.eval()
     with pytest.raises(ValueError, match="forward path must be one of"):
         make_forward(model, "fast")
+
+
+def test_a_request_and_a_runner_made_apart_share_the_compiled_graphs(model):
+    # A request reserves its cache before its first forward: in inference mode, as every
+    # forward runs, or its buffers would be other tensors to the graphs' guards.
+    decoder = SpeculativeDecoder(model, forward_path="compiled")
+    list(decoder.stream([1, 2, 3], DecodeConfig(mode="target", max_new_tokens=4)))
+    graphs_before = counters["stats"]["unique_graphs"]
+    runner = LeanForward(model, compiled=True)
+    with torch.inference_mode():
+        runner.forward(torch.tensor([[1, 2, 3]]), 1)
+        runner.forward(torch.tensor([[4]]), 1)
+    assert counters["stats"]["unique_graphs"] == graphs_before

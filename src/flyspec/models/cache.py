@@ -278,8 +278,11 @@ class CachedLM:
         largest)."""
         return self.runner.state_bytes()
 
+    @torch.inference_mode()
     def reserve(self, positions: int) -> None:
-        """Make room for ``positions`` cached positions at once (:meth:`ForwardRunner.reserve`)."""
+        """Make room for ``positions`` cached positions at once (:meth:`ForwardRunner.reserve`),
+        in inference mode as every forward is: buffers made outside it would be other tensors
+        to the compiled forward's guards, which would compile its graphs again."""
         self.runner.reserve(positions)
 
     def reset(self) -> None:
