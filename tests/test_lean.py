@@ -14,6 +14,7 @@ from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, TransformersForward, make_forward
 from flyspec.models.kernels import check_compiled_forward
 from flyspec.models.lean import LeanForward, lean_unsupported_reason
+from tests.host_reads import HostReads
 from tests.tiny import make_tiny_model
 
 VOCAB = 64
@@ -192,6 +193,11 @@ def test_models_of_many_shapes_and_dtypes_each_compile_in_one_process():
         tolerance = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(logits, expected, **tolerance)
     assert counters["stats"]["unique_graphs"] - graphs_before > 8
+    # A graph a model needs later, past its first compiles, still has room: here one traced
+    # under a torch function mode (a caller's), compiled again rather than run eagerly.
+    with HostReads(), torch.inference_mode():
+        runner.forward(torch.tensor([[3]]), 1)
+    assert runner.forward_path == "compiled"
 
 
 def test_other_architectures_fall_back_to_transformers():

@@ -362,30 +362,28 @@ own default limit for one function."""
 
 
 def one_model_compiling() -> contextlib.AbstractContextManager:
-    """dynamo's settings while a model's forward compiles (its first forward of a kind).
+    """dynamo's settings for a model's first compile of a kind, the first of them for good.
 
     - A budget of graphs per model. dynamo caps the graphs it keeps for one function's code
       (``recompile_limit``, 8 by default), and every :class:`LeanForward` compiles the same
       function, :meth:`LeanForward._layers`: models of other shapes or dtypes need graphs of
       their own (two each: one token, and blocks), so under the default cap the fifth such
-      model in a process would fail to compile. While one compiles, the cap is what the
-      process has compiled (every graph counted: an upper bound of ours) plus
-      :data:`GRAPHS_PER_MODEL`.
-    - No automatic dynamic shapes. The sizes that vary (the buffers' capacity, a block's
-      length) are marked dynamic where the inputs are made; a second model of another width
-      gets graphs of its own sizes, not graphs made symbolic in its width.
-
-    Set for the compile alone (a patch costs about 20 us, too much for every forward).
+      model in a process would fail to compile. Before each model's first compile, the cap is
+      raised (never lowered) to what the process has compiled (every graph counted: an upper
+      bound of ours) plus :data:`GRAPHS_PER_MODEL`. It stays raised, for the graphs a model
+      may need later (a caller's torch function mode, say, is another graph).
+    - No automatic dynamic shapes, while the model compiles (a patch costs about 20 us, too
+      much for every forward). The sizes that vary (the buffers' capacity, a block's length)
+      are marked dynamic where the inputs are made; a second model of another width gets
+      graphs of its own sizes, not graphs made symbolic in its width.
     """
     from torch._dynamo.utils import counters
 
     config = torch._dynamo.config
     limit = counters["stats"]["unique_graphs"] + GRAPHS_PER_MODEL
-    return config.patch(
-        recompile_limit=max(config.recompile_limit, limit),
-        accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
-        automatic_dynamic_shapes=False,
-    )
+    config.recompile_limit = max(config.recompile_limit, limit)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
+    return config.patch(automatic_dynamic_shapes=False)
 
 
 def decoder_layer(
