@@ -141,9 +141,6 @@ class LeanForward:
         self.compile_checks: dict[str, float] = {}
         """Per kind of compiled forward (``token``, ``block``): its first forward's largest
         logit difference from the eager forward, relative to the largest eager logit."""
-        self.compile_seconds: dict[str, float] = {}
-        """Per kind of compiled forward: the seconds its first forward took (compiling, and
-        the eager forward it is checked against)."""
         self._compiled_layers = None
         self.pad_sizes: tuple[int, ...] = ()
         if compiled:
@@ -183,7 +180,7 @@ class LeanForward:
         (``exact``), or twice the capacity where that is more, as a cache that grows."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, _MIN_CAPACITY if exact else 2 * self.capacity, _MIN_CAPACITY)
+        capacity = max(needed, _MIN_CAPACITY, 0 if exact else 2 * self.capacity)
         shape = (1, self.num_kv_heads, capacity, self.head_dim)
         kept = self.length
 
@@ -212,6 +209,22 @@ class LeanForward:
             torch._dynamo.mark_dynamic(self.cos, 0)
             torch._dynamo.mark_dynamic(self.sin, 0)
         self.capacity = capacity
+
+    def _project_qkv(
+        self, attention: torch.nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[1, heads, n, head_dim]``, keys and values ``[1, kv_heads, n, head_dim]``
+        of ``x`` ``[1, n, D]``, through the merged projection where the kernels made one
+        (:func:`flyspec.models.kernels.merge_int8_projections`)."""
+        n = x.shape[1]
+        merged = getattr(attention, "merged_qkv_proj", None)
+        if merged is None:
+            projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
+        else:
+            kv_width = self.num_kv_heads * self.head_dim
+            widths = (self.num_heads * self.head_dim, kv_width, kv_width)
+            projected = merged(x).split(widths, dim=-1)
+        return tuple(p.view(1, n, -1, self.head_dim).transpose(1, 2) for p in projected)
 
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
@@ -302,7 +315,7 @@ class LeanForward:
         difference = float((logits - eager).abs().max() / scale)
         self.compile_checks[kind] = difference
         tolerance = COMPILE_CHECK_TOLERANCE.get(eager.dtype, HALF_CHECK_TOLERANCE)
-        seconds = self.compile_seconds[kind] = time.perf_counter() - started
+        seconds = time.perf_counter() - started
         if math.isfinite(difference) and difference <= tolerance:
             say(f"compiled {name}'s forward in {seconds:.0f} s")
             return logits
@@ -338,21 +351,31 @@ class LeanForward:
         to the first ``key_length`` buffered positions (None: all of them) where ``visible``
         ``bool[n, key_length]`` allows (None: causally, which on an empty cache is the
         same)."""
+        n = hidden.shape[1]
         cos = self.cos[positions]  # [n, head_dim], broadcast over [1, heads, n, head_dim]
         sin = self.sin[positions]
+        half = self.head_dim // 2
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
         for index, layer in enumerate(self.model.model.layers):
-            hidden = decoder_layer(
-                layer,
-                hidden,
-                self.keys[index],
-                self.values[index],
-                cos,
-                sin,
-                positions,
-                visible,
-                key_length,
-                self.grouped_query_attention,
-            )
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q, k, v = self._project_qkv(attention, x)
+            self.keys[index].index_copy_(2, positions, rotate(k))
+            self.values[index].index_copy_(2, positions, v)
+            attended = F.scaled_dot_product_attention(
+                rotate(q),
+                self.keys[index][:, :, :key_length],
+                self.values[index][:, :, :key_length],
+                attn_mask=visible,
+                is_causal=visible is None and n > 1,
+                scale=attention.scaling,
+                enable_gqa=self.grouped_query_attention,
+            )  # [1, heads, n, head_dim]
+            hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden
 
 
@@ -372,10 +395,10 @@ def one_model_compiling() -> contextlib.AbstractContextManager:
       raised (never lowered) to what the process has compiled (every graph counted: an upper
       bound of ours) plus :data:`GRAPHS_PER_MODEL`. It stays raised, for the graphs a model
       may need later (a caller's torch function mode, say, is another graph).
-    - No automatic dynamic shapes, while the model compiles (a patch costs about 20 us, too
-      much for every forward). The sizes that vary (the buffers' capacity, a block's length)
-      are marked dynamic where the inputs are made; a second model of another width gets
-      graphs of its own sizes, not graphs made symbolic in its width.
+    - No automatic dynamic shapes, while the model compiles (a patch sets and restores the
+      setting in Python, work no forward should repeat). The sizes that vary (the buffers'
+      capacity, a block's length) are marked dynamic where the inputs are made; a second
+      model of another width gets graphs of its own sizes, not graphs made symbolic in it.
     """
     from torch._dynamo.utils import counters
 
@@ -384,51 +407,3 @@ def one_model_compiling() -> contextlib.AbstractContextManager:
     config.recompile_limit = max(config.recompile_limit, limit)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
     return config.patch(automatic_dynamic_shapes=False)
-
-
-def decoder_layer(
-    layer: torch.nn.Module,
-    hidden: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    visible: torch.Tensor | None,
-    key_length: int | None,
-    grouped_query_attention: bool,
-) -> torch.Tensor:
-    """One Llama-layout decoder ``layer`` over ``hidden`` ``[1, n, D]``: the new keys and values
-    are written into ``keys`` and ``values`` ``[1, kv_heads, capacity, head_dim]`` at
-    ``positions`` ``long[n]`` (rotated by ``cos`` and ``sin`` ``[n, head_dim]``), and each new
-    token attends to the first ``key_length`` buffered positions (None: all) where ``visible``
-    allows (None: causally)."""
-    n, head_dim = hidden.shape[1], keys.shape[-1]
-    half = head_dim // 2
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-    attention = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    merged = getattr(attention, "merged_qkv_proj", None)
-    if merged is None:
-        projected = (attention.q_proj(x), attention.k_proj(x), attention.v_proj(x))
-    else:  # the bit-identical merged copy (flyspec.models.kernels.merge_int8_projections)
-        kv_width = keys.shape[1] * head_dim
-        out = merged(x)
-        projected = out.split((out.shape[-1] - 2 * kv_width, kv_width, kv_width), dim=-1)
-    q, k, v = (p.view(1, n, -1, head_dim).transpose(1, 2) for p in projected)
-    keys.index_copy_(2, positions, rotate(k))
-    values.index_copy_(2, positions, v)
-    attended = F.scaled_dot_product_attention(
-        rotate(q),
-        keys[:, :, :key_length],
-        values[:, :, :key_length],
-        attn_mask=visible,
-        is_causal=visible is None and n > 1,
-        scale=attention.scaling,
-        enable_gqa=grouped_query_attention,
-    )  # [1, heads, n, head_dim]
-    hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(1, n, -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
