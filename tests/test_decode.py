@@ -412,9 +412,81 @@ def test_a_round_reads_the_device_as_often_whatever_its_block_size(target):
             )
         assert stats.num_rounds == 4
         per_round[k] = reads.count / stats.num_rounds
-    # From the device, one read: the verdict with the block's ids; and the tokens kept as a
-    # Python list from a CPU tensor.
-    assert per_round[3] == per_round[9] == 2, per_round
+    # One read: the verdict, with the block's ids.
+    assert per_round[3] == per_round[9] == 1, per_round
+
+
+def near_copy(model, scale):
+    """``model`` with every weight moved by ``scale`` of its spread: a draft that agrees with
+    it often, and often enough not, for FLy to keep tokens loosely."""
+    near = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in near.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.add_(noise * scale * parameter.std())
+    return near
+
+
+ROUND_KINDS = {  # kind: (config, prediction, tensors made from host values per request)
+    "exact": (DecodeConfig(mode="spd", k=6), False, 1),
+    "fly": (DecodeConfig(mode="fly", k=6, fly=FlyConfig(theta=0.0, window=1)), False, 1),
+    "fly deferred": (
+        DecodeConfig(mode="fly", k=6, fly=FlyConfig(theta=0.0, window=2, defer=True)),
+        False,
+        1,
+    ),
+    "prediction": (DecodeConfig(mode="spd", k=6), True, 2),
+    "lookup": (DecodeConfig(mode="spd", k=6, drafter="ngram"), False, 1),
+}
+
+
+@pytest.mark.parametrize("kind", ROUND_KINDS)
+def test_every_kind_of_round_reads_the_device_once_and_copies_nothing_from_the_host(target, kind):
+    """Greedy, each round reads the device once (its verdict, with the draft's ids and what
+    FLy thought of each position), whatever it keeps: loose tokens, a deferral confirmed or
+    rolled back. The forwards' inputs and the blocks of a prediction or of prompt lookup are
+    cut from the context on the device: the only tensors made from host values are the
+    prompt's (and the prediction's), once a request."""
+    config, predicted, copies = ROUND_KINDS[kind]
+    config = config.with_updates(max_new_tokens=40)
+    prompt = [5]
+    reference = target_greedy(target, prompt, 40)
+    prediction = reference[:12] + [9, 9, 9] + reference[12:] if predicted else None
+    decoder = SpeculativeDecoder(target, near_copy(target, 0.1))
+    run(decoder, prompt, config)  # the first forwards of a compiled path check themselves
+    stats = RequestStats()
+    with HostReads() as reads:
+        tokens = [
+            e.token for e in decoder.stream(prompt, config, stats=stats, prediction=prediction)
+        ]
+    assert reads.count == stats.num_rounds, (reads.count, stats.num_rounds)
+    assert reads.from_host == copies
+    if kind.startswith("fly"):
+        assert sum(r.loosely_accepted for r in stats.rounds) > 0
+        if kind == "fly deferred":
+            assert {r.deferral for r in stats.rounds} >= {"confirmed", "rolled_back"}
+    else:
+        assert tokens == reference
+    if kind in ("prediction", "lookup"):
+        assert {r.source for r in stats.rounds} >= {kind}
+
+
+def test_the_context_on_the_device_is_the_context_after_every_round(target):
+    """What the forwards read from the device is what the host committed, round by round,
+    through loose tokens and deferrals confirmed and rolled back."""
+    config = DecodeConfig(
+        mode="fly", k=6, max_new_tokens=40, fly=FlyConfig(theta=0.0, window=2, defer=True)
+    )
+    decoder = SpeculativeDecoder(target, near_copy(target, 0.1))
+    stats = RequestStats()
+    emitted = []
+    for event in decoder.stream([5], config, stats=stats):
+        emitted.append(event.token)
+        source = decoder.target.source
+        assert source.span(0, len(source)).tolist() == source.ids
+        assert source.ids[: 1 + len(emitted)] == [5, *emitted]
+    assert {r.deferral for r in stats.rounds} >= {"confirmed", "rolled_back"}
 
 
 def test_mla_block_equals_the_draft_models_greedy_block(draft):
@@ -653,7 +725,7 @@ def test_the_gate_reads_the_distribution_the_target_samples_from(
     raw[1, 6] = raw[2, 7] = raw[3, 8] = 30.0  # the rest of the block matches, then a bonus
     decoder = SpeculativeDecoder(target)
     raw = raw[:, : decoder.vocab_size]
-    decoder.target.logits = lambda tokens, num_logits=1: raw[-num_logits:]
+    decoder.target.logits_with_block = lambda context, block, ids=None: raw[: len(block) + 1]
     config = DecodeConfig(
         mode="fly",
         k=len(block),
@@ -723,7 +795,7 @@ def test_the_target_alone_runs_ahead_and_stops_where_the_rounds_did(target):
     with HostReads() as reads:
         assert run(SpeculativeDecoder(target), prompt, config, stats) == reference
     assert reads.count == len(reference) == stats.num_rounds
-    assert reads.from_host == 2  # the prompt (its prefill, its last token); no token after it
+    assert reads.from_host == 1  # the prompt, copied to the device once; no token after it
     assert stats.finish_reason == "length"
     end = reference[5]  # an end token there: the request ends before it, one step late
     expected = reference[: reference.index(end)]

@@ -59,6 +59,22 @@ def rows_of(report, phase):
     return [row for row in report["rows"] if row["phase"] == phase]
 
 
+def test_the_attention_rows_name_the_kernel_and_time_each_one(cpu_form):
+    _, report, _ = cpu_form
+    rows = rows_of(report, "attention")
+    assert [row["subject"] for row in rows] == [
+        f"target {n}: SDPA at the compiled shapes" for n in ("1.5b", "7b", "32b")
+    ]
+    for row in rows:
+        sizes = row["values"]["sizes"]
+        assert list(sizes) == ["1", "16", "65"]
+        for timings in sizes.values():
+            assert timings["default_ms"] > 0 and timings["live_length_ms"] > 0
+            assert timings["math_ms"] > 0  # the reference kernel takes every shape
+            forced = [k for k in ("efficient", "flash", "cudnn") if timings[f"{k}_ms"] is None]
+            assert all(timings[f"{k}_refused"] for k in forced)
+
+
 def test_the_cpu_form_prints_one_table_and_writes_it_twice(cpu_form):
     stdout, report, own = cpu_form
     lines = stdout.strip().splitlines()
@@ -88,6 +104,7 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
         "loop overhead": 3 * len(OVERHEAD_KS),
         "projection": 3 * len(TAU_ENTRIES),
         "kernel check": 1,
+        "attention": 3,  # a row per target
         "compiled": 3 * 2 + 1,  # each target alone and its V(n); the first drafting for itself
         "replay": sum(len(plan) for plan in gpu_first_look.REPLAYS.values()),
         # the models that compile: the same tokens' target and draft, and each target (all
@@ -261,6 +278,7 @@ def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
         "bandwidth",
         "model",
         "same tokens",
+        "attention",
         "compiled",
         "replay",
         "compiles",

@@ -76,13 +76,13 @@ def test_a_compiled_forward_that_differs_from_the_eager_one_is_dropped(model, ca
     lean = LeanForward(model, compiled=True)
     tokens = [5, 9, 2, 33, 8, 1, 4]
 
-    def wrong(hidden, positions, visible, key_length):  # as if the mask were lost
-        return lean._layers(hidden, positions, None, None) + 1.0
+    def wrong(input_ids, positions):  # every logit off by one
+        return lean._step(input_ids, positions) + 1.0
 
-    lean._compiled_layers = wrong
+    lean._compiled_step = wrong
     with torch.inference_mode():
         logits = lean.forward(torch.tensor([tokens]), 2)
-        assert lean.forward_path == "lean" and lean._compiled_layers is None
+        assert lean.forward_path == "lean" and lean._compiled_step is None
         later = lean.forward(torch.tensor([[7]]), 1)
     torch.testing.assert_close(logits, full_forward_logits(model, tokens, 2))
     torch.testing.assert_close(later, full_forward_logits(model, tokens + [7], 1))
@@ -160,7 +160,7 @@ def test_any_failure_to_compile_runs_eagerly_with_one_line(model, capsys, error)
     def fails(*args):
         raise error
 
-    runner._compiled_layers = fails
+    runner._compiled_step = fails
     tokens = [5, 9, 2, 33]
     with torch.inference_mode():
         logits = runner.forward(torch.tensor([tokens]), 2)
@@ -241,3 +241,19 @@ def test_a_request_and_a_runner_made_apart_share_the_compiled_graphs(model):
         runner.forward(torch.tensor([[1, 2, 3]]), 1)
         runner.forward(torch.tensor([[4]]), 1)
     assert counters["stats"]["unique_graphs"] == graphs_before
+
+
+def test_every_kind_of_request_runs_on_the_same_two_graphs():
+    """A model's compiled forward is one graph for one token and one for blocks, whatever
+    feeds it: the context's tail cut from the device's copy, a drafter's step chosen outside
+    inference mode, a block, a prompt lookup's block, a prediction's."""
+    target = make_tiny_model(vocab_size=VOCAB, seed=5, hidden=48)  # a shape of its own
+    draft = make_tiny_model(vocab_size=VOCAB, seed=6, hidden=48)
+    decoder = SpeculativeDecoder(target, draft, forward_path="compiled")
+    graphs_before = counters["stats"]["unique_graphs"]
+    for prompt in ([3, 7, 11, 7, 3], [5, 6, 7, 8, 9, 10, 11, 5, 6]):
+        for mode, drafter in (("target", "model"), ("spd", "model"), ("fly", "ngram")):
+            config = DecodeConfig(mode=mode, drafter=drafter, k=4, max_new_tokens=12)
+            list(decoder.stream(prompt, config))
+        list(decoder.stream(prompt, DecodeConfig(mode="spd", k=4), prediction=prompt))
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2

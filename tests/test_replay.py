@@ -16,6 +16,7 @@ from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats, RoundStats
 from flyspec.errors import FlyspecError
+from tests.host_reads import HostReads
 from tests.tiny import make_tiny_model
 
 VOCAB = 64
@@ -108,9 +109,15 @@ def test_the_replay_of_a_prediction_runs_no_draft_model(models):
     reference = greedy(other, PROMPT, request.tokens)
     stats = RequestStats()
     paying = decoder.paying_drafters(trace, config)
-    list(decoder.replay(PROMPT, request, reference, config, paying=paying, stats=stats))
+    with HostReads() as reads:
+        list(decoder.replay(PROMPT, request, reference, config, paying=paying, stats=stats))
     assert [r.accepted for r in stats.rounds] == [r.kept for r in request.rounds]
     assert decoder.draft.forward_calls == 0
+    # As a real prediction's rounds: one read each, and the blocks made on the device from
+    # the reference copied there once, beside the prompt; a verdict overruled (rounding) is
+    # the trace's, whose tokens the device does not hold: they are copied from the host.
+    assert reads.count == stats.num_rounds
+    assert reads.from_host == 2 + decoder.counts.overruled
 
 
 def test_verdicts_the_target_disagrees_with_are_overruled(models):

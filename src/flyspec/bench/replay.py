@@ -29,6 +29,7 @@ from flyspec.decoding.loop import SpeculativeDecoder, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict
 from flyspec.errors import FlyspecError
+from flyspec.models.cache import DeviceTokens
 
 TRACE_FORMAT = 1
 _SOURCES = frozenset({"model", "lookup", "prediction"})
@@ -176,7 +177,9 @@ class ReplayDrafter:
     propose the reference's tokens, the others a wrong one. ``paying``: a drafter per source
     whose cost the round pays (it drafts the block, and its tokens are dropped): the method's
     model drafter for ``model`` rounds, prompt lookup for ``lookup`` rounds; a prediction's
-    blocks cost nothing."""
+    blocks cost nothing. ``device``: where the target runs; the reference is copied there
+    once and the blocks are made from that copy, as a real drafter's are made on the device
+    (none: each block is copied from the host)."""
 
     def __init__(
         self,
@@ -186,11 +189,13 @@ class ReplayDrafter:
         prompt_length: int,
         vocab_size: int,
         paying: Mapping[str, Drafter],
+        device: torch.device | None = None,
     ) -> None:
         if len(reference) < request.tokens:
             raise FlyspecError(f"the reference holds {len(reference)} tokens, not {request.tokens}")
         self.request = request
         self.reference = list(reference)
+        self.on_device = None if device is None else DeviceTokens(reference, device=device)
         self.prompt_length = prompt_length
         self.vocab_size = vocab_size
         self.paying = dict(paying)
@@ -218,13 +223,19 @@ class ReplayDrafter:
         right = self.reference[at : at + kept]
         wrong = (self.reference[at + kept] + 1) % self.vocab_size
         self.planned = _Planned(kept=kept, next_token=self.reference[at + kept])
-        tokens = torch.tensor(right + [wrong] * (drafted - kept), dtype=torch.long)
+        ids = right + [wrong] * (drafted - kept)
+        if self.on_device is None:
+            tokens = torch.tensor(ids, dtype=torch.long)
+        else:  # the same tokens, made on the device from its copy of the reference
+            following = self.on_device.span(at + kept, at + kept + 1)
+            wrong_tokens = ((following + 1) % self.vocab_size).expand(drafted - kept)
+            tokens = torch.cat((self.on_device.span(at, at + kept), wrong_tokens))
         if paid is not None and paid.unread:
             # As the paid block would be: left on the device for the verdict to read, whose
             # ids then settle the draft model's record (its cache is cropped as often).
             tokens = tokens.to(paid.tokens.device)
             return Draft(tokens=tokens, source="model", unread=True, settle=paid.settle)
-        return Draft(tokens=tokens, source=traced.source or "model")
+        return Draft(tokens=tokens, source=traced.source or "model", ids=tuple(ids))
 
     def take_plan(self) -> _Planned | None:
         """The decision planned for the block just proposed (None once taken)."""
@@ -287,6 +298,7 @@ class ReplayDecoder(SpeculativeDecoder):
             prompt_length=len(prompt_ids),
             vocab_size=self.vocab_size,
             paying=paying,
+            device=self.target.device,
         )
         # A budget the last round fits whole (a real one may have ended at an end token);
         # the replay stops once that round's tokens are out.

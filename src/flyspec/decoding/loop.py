@@ -20,7 +20,7 @@ from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import CachedLM, LanguageModel, read_later
+from flyspec.models.cache import CachedLM, DeviceTokens, LanguageModel, read_later
 
 __all__ = [
     "DECODER_REVISION",
@@ -172,7 +172,13 @@ class SpeculativeDecoder:
             value = read()
             if logits is not None:
                 self.target.record_steps([value])
-            verdict = Verdict(num_drafted=0, num_kept=0, loose_positions=(), next_token=value)
+            verdict = Verdict(
+                num_drafted=0,
+                num_kept=0,
+                loose_positions=(),
+                next_token=value,
+                device_tokens=(chosen.new_empty(0), chosen.reshape(1)),
+            )
             committed = request.commit(Draft.empty(), verdict, target_logits=None)
             yield from request.deliver(committed)
             if committed.finished:
@@ -199,24 +205,27 @@ class SpeculativeDecoder:
             raise FlyspecError("give a drafter or a prediction, not both")
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
+        clock = BusyClock()
+        # The caches sized for the whole request at once: none of its forwards reallocates.
+        largest = 0 if config.mode == "target" else largest_block(config, "prediction")
+        positions = len(prompt_ids) + config.max_new_tokens + largest + 1
+        # The context on the device too, which the forwards and blocks are taken from.
+        tokens = DeviceTokens(prompt_ids, device=self.target.device, capacity=positions)
         # The built-in drafter's draft model, where it drafts: -k auto reads its cost.
         draft_lm = self.draft if drafter is None and config.uses_draft_model else None
         given = drafter is not None
         if drafter is None:
-            drafter = self._make_drafter(config, len(prompt_ids), prediction)
-        clock = BusyClock()
+            drafter = self._make_drafter(config, tokens, prediction)
         if not self.reuse_prefix:
             self.target.reset()
-        # The caches sized for the whole request at once: none of its forwards reallocates.
-        largest = 0 if config.mode == "target" else largest_block(config, "prediction")
-        positions = len(prompt_ids) + config.max_new_tokens + largest + 1
         for lm in (self.target, self.draft if config.uses_draft_model else None):
             if lm is not None:
                 lm.reserve(positions)
+                lm.follow(tokens)
         # A built-in drafter is new and holds nothing but the draft model's cache.
         if drafter is not None and (given or not self.reuse_prefix):
             drafter.reset()
-        context = list(prompt_ids)
+        context = tokens.ids
         if len(context) > 1:
             self.target.prefill(context[:-1])
             # With -k auto the draft model reads the prompt when it first needs to: to time
@@ -229,7 +238,7 @@ class SpeculativeDecoder:
             self.auto_k.measure(self.target, context, config, draft_lm=draft_lm)
             auto = RequestAutoK(self.auto_k, config)
         return Request(
-            prompt_ids=context,
+            tokens=tokens,
             config=config,
             stats=stats,
             drafter=drafter,
@@ -240,10 +249,11 @@ class SpeculativeDecoder:
         )
 
     def _make_drafter(
-        self, config: DecodeConfig, prompt_length: int, prediction: Sequence[int] | None
+        self, config: DecodeConfig, tokens: DeviceTokens, prediction: Sequence[int] | None
     ) -> Drafter | None:
-        """The built-in drafter ``config`` names (None for the target alone), drafting from
-        ``prediction`` first where one is given."""
+        """The built-in drafter ``config`` names (None for the target alone) for a request
+        whose context, the prompt so far, is ``tokens``, drafting from ``prediction`` first
+        where one is given."""
         generator = None
         if self.draft is not None and config.draft_temperature > 0:
             generator = _generator(self.draft.device, config, offset=1)
@@ -253,7 +263,8 @@ class SpeculativeDecoder:
             end_tokens=self.eos_token_ids,
             generator=generator,
             prediction=prediction,
-            prompt_length=prompt_length,
+            prompt_length=len(tokens),
+            context=tokens,
         )
 
     def _end_tokens(self, device: torch.device) -> torch.Tensor:
@@ -265,10 +276,9 @@ class SpeculativeDecoder:
 
     def _score(self, context: list[int], draft: Draft) -> torch.Tensor:
         """The target's one forward over the last committed token and ``draft``: ``[K+1, V]``
-        (an unread block goes to the target as it is, on the device)."""
-        if draft.unread:
-            return self.target.logits_with_block(context, draft.tokens)
-        return self.target.logits(context + draft.tokens.tolist(), len(draft) + 1)
+        (the block goes to the target as it is, on the device; unread, or with its ids)."""
+        ids = None if draft.unread else draft.token_ids
+        return self.target.logits_with_block(context, draft.tokens, ids=ids)
 
     def _read(self, draft: Draft) -> Draft:
         """An unread draft read on its own (verification at temperature > 0 reads it apart),

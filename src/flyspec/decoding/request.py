@@ -19,7 +19,7 @@ from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
 from flyspec.decoding.verify import Verdict, loose_token_features
-from flyspec.models.cache import LanguageModel
+from flyspec.models.cache import DeviceTokens, LanguageModel
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
 """How an emitted token was obtained: an exactly accepted draft token, a loosely accepted one,
@@ -69,6 +69,7 @@ class Held:
     round_index: int
     round_slot: int
     loose_token: LooseToken
+    correction_on_device: torch.Tensor | None = None  # long[1], where the device holds it
 
     def resolve(
         self, confirmed: bool, stats: RequestStats, *, eos_token_ids: Collection[int]
@@ -115,8 +116,9 @@ class Request:
     """One request's state between rounds and the steps the loop calls on it.
 
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
-    after). Each round is timed here: drafting in :meth:`draft`, the target's forward and the
-    verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
+    after), the list of ``tokens``, which holds them on the device too. Each round is timed
+    here: drafting in :meth:`draft`, the target's forward and the verification from then
+    until :meth:`commit`. ``drafter`` is None for the target alone;
     ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto`` is ``-k
     auto``'s controller, None for a fixed K.
 
@@ -128,7 +130,7 @@ class Request:
     def __init__(
         self,
         *,
-        prompt_ids: list[int],
+        tokens: DeviceTokens,
         config: DecodeConfig,
         stats: RequestStats,
         drafter: Drafter | None,
@@ -137,7 +139,8 @@ class Request:
         eos_token_ids: Collection[int],
         clock: BusyClock,
     ) -> None:
-        self.context = prompt_ids
+        self.tokens = tokens
+        self.context = tokens.ids
         self.config = config
         self.stats = stats
         self.drafter = drafter
@@ -265,15 +268,18 @@ class Request:
         events = held.resolve(confirmed, self.stats, eos_token_ids=self.eos_token_ids)
         self.produced += len(events)
         if not confirmed:
-            del self.context[len(self.context) - len(held.tokens) :]
-            self.context.extend(event.token for event, _ in events)
+            self.tokens.truncate(len(self.context) - len(held.tokens))
+            self.tokens.extend(
+                [event.token for event, _ in events],
+                on_device=held.correction_on_device if events else None,
+            )
         return confirmed, events
 
     def _can_defer(self, verdict: Verdict, draft: Draft) -> bool:
         """Whether a deferred window can be decided by the next block: no end-of-sequence
         token among the held tokens, and budget left for ``need`` draft tokens after them."""
         deferral = verdict.deferral
-        held = draft.tokens[deferral.position :].tolist() + [verdict.next_token]
+        held = draft.token_ids[deferral.position :] + [verdict.next_token]
         if self.drafter is None or any(token in self.eos_token_ids for token in held):
             return False
         remaining = self.config.max_new_tokens - self.produced - deferral.position - len(held)
@@ -294,22 +300,17 @@ class Request:
         records = loose_records(
             verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
         )
-        kept = draft.tokens[: verdict.num_kept].tolist() if verdict.num_kept else []
-        tokens = kept + [verdict.next_token]
+        tokens = draft.token_ids[: verdict.num_kept] + [verdict.next_token]
         origins: list[Origin] = [
             "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
         ] + ["bonus" if verdict.is_bonus else "correction"]
         if deferral is not None:
             origins[deferral.position] = "loose"
         cut = len(tokens) if deferral is None else deferral.position
-        emitted = 0
-        finished = False
-        for token in tokens[:cut]:
-            if token in self.eos_token_ids:
-                finished = True
-                break
-            self.context.append(token)
-            emitted += 1
+        emitted = next(
+            (i for i, token in enumerate(tokens[:cut]) if token in self.eos_token_ids), cut
+        )
+        finished = emitted < cut
         self.stats.add_round(
             RoundStats(
                 drafted=len(draft),
@@ -323,7 +324,8 @@ class Request:
             )
         )
         slot = len(self.stats.rounds) - 1
-        if deferral is not None and not finished:
+        held = deferral is not None and not finished
+        if held:
             self.held = Held(
                 tokens=tokens[cut:],
                 origins=origins[cut:],
@@ -332,8 +334,12 @@ class Request:
                 round_index=self.round_index,
                 round_slot=slot,
                 loose_token=records[deferral.position],
+                correction_on_device=verdict.correction_on_device(),
             )
-            self.context.extend(self.held.tokens)
+        # The context goes on with the emitted tokens, and the held ones after them.
+        length = len(tokens) if held else emitted
+        on_device = verdict.tokens_on_device()
+        self.tokens.extend(tokens[:length], None if on_device is None else on_device[:length])
         events += [
             (TokenEvent(token=token, origin=origin, round_index=self.round_index), slot)
             for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
@@ -357,15 +363,15 @@ def loose_records(
         positions.append(verdict.deferral.position)
     if not positions:
         return {}
-    index = torch.tensor(positions, device=target_logits.device)
-    draft_tokens = draft.tokens.to(target_logits.device)[index]
-    features = loose_token_features(target_logits[index], draft_tokens, entropy=entropy)
-    if draft.confidence is not None:
-        features["draft_confidence"] = draft.confidence.to(target_logits.device)[index]
-    features["draft_token"] = draft_tokens
-    # One read for them all: float64 holds the token ids and ranks exactly.
-    rows = torch.stack([values.double() for values in features.values()]).tolist()
-    columns = dict(zip(features, rows, strict=True))
+    if verdict.position_features is not None:  # read with the verdict
+        columns = {
+            name: [values[position] for position in positions]
+            for name, values in verdict.position_features.items()
+        }
+        ids = draft.token_ids
+        columns["draft_token"] = [ids[position] for position in positions]
+    else:
+        columns = _read_features(draft, target_logits, positions, entropy=entropy)
     return {
         position: LooseToken(
             output_index=produced + position,
@@ -383,3 +389,19 @@ def loose_records(
         )
         for row, position in enumerate(positions)
     }
+
+
+def _read_features(
+    draft: Draft, target_logits: torch.Tensor, positions: list[int], *, entropy: str
+) -> dict[str, list[float]]:
+    """:func:`loose_token_features` of the block's ``positions`` (and the draft's token and
+    confidence there), read from the device: one read for them all."""
+    index = torch.tensor(positions, device=target_logits.device)
+    draft_tokens = draft.tokens.to(target_logits.device)[index]
+    features = loose_token_features(target_logits[index], draft_tokens, entropy=entropy)
+    if draft.confidence is not None:
+        features["draft_confidence"] = draft.confidence.to(target_logits.device)[index]
+    features["draft_token"] = draft_tokens
+    # float64 holds the token ids and ranks exactly.
+    rows = torch.stack([values.double() for values in features.values()]).tolist()
+    return dict(zip(features, rows, strict=True))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,12 @@ class Verdict:
     (``num_kept == num_drafted``); the deferred position is not in ``loose_positions``.
     ``draft_ids``: every draft token as read with the verdict at temperature 0 (a block cut
     after an end token by :func:`verify_greedy` has more of them than ``num_drafted``).
+    ``device_tokens``: the draft tokens ``long[K]`` and the target's tokens ``long[K+1]`` on
+    the device, where the target chose its tokens there (temperature 0): what the round
+    commits is then on the device too (:meth:`tokens_on_device`). ``position_features``: with
+    FLy at temperature 0, what the target thought of every drafted position
+    (:func:`loose_token_features`' columns, and the draft's ``draft_confidence`` where it has
+    one), read with the verdict: a loosely kept token's record costs no read of its own.
     """
 
     num_drafted: int
@@ -56,6 +62,10 @@ class Verdict:
     next_token: int
     deferral: Deferral | None = None
     draft_ids: tuple[int, ...] = ()
+    device_tokens: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
+    position_features: dict[str, tuple[float, ...]] | None = None
 
     @property
     def is_bonus(self) -> bool:
@@ -74,7 +84,26 @@ class Verdict:
             num_kept=self.deferral.position,
             loose_positions=self.loose_positions,
             next_token=self.deferral.correction,
+            device_tokens=self.device_tokens,
+            position_features=self.position_features,
         )
+
+    def tokens_on_device(self) -> torch.Tensor | None:
+        """``long[num_kept + 1]`` on the device: the kept draft tokens and then the next
+        token, the tokens the round commits (None where the device does not hold them)."""
+        if self.device_tokens is None:
+            return None
+        draft_tokens, target_tokens = self.device_tokens
+        cut = self.num_kept
+        return torch.cat((draft_tokens[:cut], target_tokens[cut : cut + 1]))
+
+    def correction_on_device(self) -> torch.Tensor | None:
+        """``long[1]`` on the device: the deferral's correction (None where the device does
+        not hold it, or there is no deferral)."""
+        if self.device_tokens is None or self.deferral is None:
+            return None
+        position = self.deferral.position
+        return self.device_tokens[1][position : position + 1]
 
     @property
     def num_leading_exact(self) -> int:
@@ -333,6 +362,7 @@ def _verdict(
     fly: FlyConfig | None,
     draft_tokens: torch.Tensor | None = None,
     length: torch.Tensor | None = None,
+    features: dict[str, torch.Tensor] | None = None,
 ) -> Verdict:
     """The verdict on a block from its accepted positions and its loosening candidates
     (:func:`loosening_candidates`; all False without FLy): the candidates whose window holds
@@ -341,31 +371,45 @@ def _verdict(
     0), else a function that draws it for a cut. ``draft_tokens`` ``long[K]`` are read along
     (:attr:`Verdict.draft_ids`), and ``length`` ``long[1]``, the positions of the block that
     count (K where None: positions past it are neither accepted nor candidates).
+    ``features``: ``{name: [K]}`` read along (:attr:`Verdict.position_features`).
 
-    The masks, with the tokens at the cuts, the draft tokens and the length when given, are
-    read from the device at once: one host synchronisation, whatever K (and a draw's own at
-    temperature > 0)."""
+    The masks, with the tokens at the cuts, the draft tokens, the length and the features
+    when given, are read from the device at once (as float64, which holds token ids
+    exactly): one host synchronisation, whatever K (and a draw's own at temperature > 0)."""
     num_drafted = accepted.shape[0]
     loose = candidates
     if fly is not None:
         loose = candidates & window_holds(accepted, window=fly.window)
-    parts = [torch.stack([accepted, candidates, loose]).long().flatten()]  # [3K]
+    parts = [torch.stack([accepted, candidates, loose]).flatten()]  # [3K]
     for extra in (next_token, draft_tokens, length):  # [K + 1], [K], [1]
         if isinstance(extra, torch.Tensor):
-            parts.append(extra.long())
-    values = torch.cat(parts).tolist()
+            parts.append(extra)
+    parts += (features or {}).values()  # [K] each
+    values = torch.cat([part.double() for part in parts]).tolist()
     accepted_at, candidate_at, loose_at = (
         values[i * num_drafted : (i + 1) * num_drafted] for i in range(3)
     )
     rest = values[3 * num_drafted :]
     token_at = next_token
     if isinstance(next_token, torch.Tensor):
-        token_at, rest = rest[: num_drafted + 1].__getitem__, rest[num_drafted + 1 :]
+        tokens_at = [int(token) for token in rest[: num_drafted + 1]]
+        token_at, rest = tokens_at.__getitem__, rest[num_drafted + 1 :]
     draft_ids = ()
     if draft_tokens is not None:
-        draft_ids, rest = tuple(rest[:num_drafted]), rest[num_drafted:]
+        draft_ids, rest = tuple(int(token) for token in rest[:num_drafted]), rest[num_drafted:]
+    block_length = num_drafted
     if length is not None:
-        num_drafted = rest[0]
+        num_drafted, rest = int(rest[0]), rest[1:]
+    position_features = None
+    if features:
+        position_features = {
+            name: tuple(rest[i * block_length : i * block_length + num_drafted])
+            for i, name in enumerate(features)
+        }
+    device_tokens = None
+    if isinstance(next_token, torch.Tensor) and draft_tokens is not None:
+        device_tokens = (draft_tokens, next_token)
+    if length is not None:
         accepted_at, candidate_at, loose_at = (
             x[:num_drafted] for x in (accepted_at, candidate_at, loose_at)
         )
@@ -382,6 +426,8 @@ def _verdict(
             next_token=token_at(num_drafted),
             deferral=Deferral(position=num_kept, need=need, correction=token_at(num_kept)),
             draft_ids=draft_ids,
+            device_tokens=device_tokens,
+            position_features=position_features,
         )
     return Verdict(
         num_drafted=num_drafted,
@@ -389,6 +435,8 @@ def _verdict(
         loose_positions=loose_positions,
         next_token=token_at(num_kept),
         draft_ids=draft_ids,
+        device_tokens=device_tokens,
+        position_features=position_features,
     )
 
 
@@ -412,9 +460,9 @@ def verify_greedy(
     read its block could not cut it there); the verdict's ``num_drafted`` says where.
     """
     num_drafted = draft_tokens.shape[0]
-    if num_drafted == 0:  # the target alone: its token, one read
-        return Verdict(0, 0, (), int(target_logits[0].argmax()))
     target_tokens = target_logits.argmax(dim=-1)  # [K+1]
+    if num_drafted == 0:  # the target alone: its token, one read
+        return Verdict(0, 0, (), int(target_tokens[0]), device_tokens=(draft_tokens, target_tokens))
     accepted = draft_tokens == target_tokens[:num_drafted]  # [K]
     length = in_block = None
     if end_tokens is not None:
@@ -424,6 +472,7 @@ def verify_greedy(
         in_block = torch.arange(num_drafted, device=accepted.device) < length  # [K]
         accepted &= in_block
     candidates = torch.zeros_like(accepted)
+    features = None
     if fly is not None:
         block_logits = target_logits[:num_drafted]
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
@@ -437,6 +486,9 @@ def verify_greedy(
         )
         if in_block is not None:
             candidates &= in_block
+        features = loose_token_features(block_logits, draft_tokens, entropy=fly.entropy)
+        if draft_confidence is not None:
+            features["draft_confidence"] = draft_confidence.to(block_logits.device)
     return _verdict(
         accepted=accepted,
         candidates=candidates,
@@ -444,6 +496,7 @@ def verify_greedy(
         fly=fly,
         draft_tokens=draft_tokens,
         length=length,
+        features=features,
     )
 
 

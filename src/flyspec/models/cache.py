@@ -34,6 +34,62 @@ def token_tensor(token_ids: Sequence[int], device: torch.device) -> torch.Tensor
     return tensor.to(device)
 
 
+class DeviceTokens:
+    """A token sequence held twice, equal position by position: as a Python list (``ids``,
+    what drafters and the host's checks read) and in a buffer on ``device`` (what forwards
+    and blocks are cut from). The device copy is written by device operations from the
+    tokens the device chose (the verdict's, a step's), so that a round's forward takes its
+    input without a copy from the host: on CUDA such a copy waits for the queued work,
+    unless pinned, and pinning costs as much again. Tokens known only on the host are
+    copied in (the prompt, a drawn token). The buffer is made and written in inference mode,
+    as every forward runs: its slices are then the same kind of tensor as the other inputs of a
+    compiled forward, which would otherwise compile its graphs again for them."""
+
+    @torch.inference_mode()
+    def __init__(self, ids: Sequence[int], *, device: torch.device, capacity: int = 0) -> None:
+        self.ids: list[int] = list(ids)
+        self.device = device
+        self._buffer = torch.empty(max(capacity, len(self.ids), 1), dtype=torch.long, device=device)
+        if self.ids:
+            self._buffer[: len(self.ids)] = token_tensor(self.ids, device)[0]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @torch.inference_mode()
+    def extend(self, tokens: Sequence[int], on_device: torch.Tensor | None = None) -> None:
+        """Append ``tokens``; ``on_device`` ``long[len(tokens)]``: the same tokens on the
+        device (None: copied from the host)."""
+        if not tokens:
+            return
+        start, end = len(self.ids), len(self.ids) + len(tokens)
+        if end > self._buffer.shape[0]:
+            grown = torch.empty(2 * end, dtype=torch.long, device=self.device)
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        if on_device is None:
+            on_device = token_tensor(tokens, self.device)[0]
+        self._buffer[start:end] = on_device.reshape(-1)
+        self.ids.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens."""
+        del self.ids[length:]
+
+    def find(self, tokens: Sequence[int], start: int, end: int) -> torch.Tensor | None:
+        """``long[end - start]`` on the device: positions ``start..end-1`` of ``tokens``, where
+        they are those of this sequence (compared on the host), else None."""
+        if end > len(self.ids) or list(tokens[start:end]) != self.ids[start:end]:
+            return None
+        return self.span(start, end)
+
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """``long[end - start]``: positions ``start..end-1`` on the device."""
+        if not 0 <= start <= end <= len(self.ids):
+            raise ValueError(f"positions {start}..{end} outside a sequence of {len(self.ids)}")
+        return self._buffer[start:end]
+
+
 def read_later(value: torch.Tensor) -> Callable[[], int]:
     """Start reading the one-element ``value`` into Python without waiting: the function
     returned waits for that value alone and gives it. On CUDA it is copied to pinned memory
@@ -223,6 +279,11 @@ class LanguageModel(Protocol):
         cache."""
         ...
 
+    def follow(self, source: DeviceTokens | None) -> None:
+        """Take the new tokens of a forward from ``source`` (a request's context on the
+        device) where it holds them, instead of copying them from the host."""
+        ...
+
     def reset(self) -> None:
         """Forget everything cached (a new request)."""
         ...
@@ -255,6 +316,7 @@ class CachedLM:
         self.forward_calls = 0
         self._tokens: list[int] = []
         self._unread: list[torch.Tensor] = []  # long[n] each: fed by step() or a block, unread
+        self._source: DeviceTokens | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -292,6 +354,17 @@ class CachedLM:
         self._unread = []
         self.forward_calls = 0
 
+    def follow(self, source: DeviceTokens | None) -> None:
+        """Take the new tokens of a forward from ``source`` (a request's context on the
+        device) wherever they are its tokens at the same positions, instead of copying them
+        from the host; None: always from the host."""
+        self._source = source
+
+    @property
+    def source(self) -> DeviceTokens | None:
+        """The sequence it follows (:meth:`follow`)."""
+        return self._source
+
     @torch.inference_mode()
     def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """Logits for the last ``num_logits`` positions of ``tokens``: ``[num_logits, V]``.
@@ -315,33 +388,55 @@ class CachedLM:
         self._tokens = list(tokens)
 
     @torch.inference_mode()
-    def logits_with_block(self, context: Sequence[int], block: torch.Tensor) -> torch.Tensor:
+    def logits_with_block(
+        self, context: Sequence[int], block: torch.Tensor, *, ids: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Logits ``[n + 1, V]`` for the last token of ``context`` and each token of
-        ``block`` ``long[n]``, a draft block left on the device: it is fed unread, and recorded
-        as such until its ids are read (:attr:`cached_tokens`) or given
-        (:meth:`record_steps`). One forward, as :meth:`logits` over the whole sequence."""
+        ``block`` ``long[n]``, a draft block on the device. ``ids``: its tokens as the host
+        knows them; without them it is fed unread, and recorded as such until its ids are
+        read (:attr:`cached_tokens`) or given (:meth:`record_steps`). One forward, as
+        :meth:`logits` over the whole sequence."""
         if not context:
             raise ValueError("the block continues a context: give at least one token")
-        return self._forward(context, 1, block=block.reshape(-1).to(self.device, non_blocking=True))
+        block = block.reshape(-1).to(self.device, non_blocking=True)
+        return self._forward(context, 1, block=block, block_ids=ids)
 
     def _forward(
-        self, tokens: Sequence[int], fresh: int, *, block: torch.Tensor | None = None
+        self,
+        tokens: Sequence[int],
+        fresh: int,
+        *,
+        block: torch.Tensor | None = None,
+        block_ids: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """One forward over what the cache does not hold of ``tokens`` (their last ``fresh``
-        at least) and then ``block`` (on the device, recorded unread): the logits of those
-        last ``fresh`` positions and of the block's, ``[fresh + len(block), V]``."""
+        at least) and then ``block`` (on the device; its ``block_ids``, or recorded unread):
+        the logits of those last ``fresh`` positions and of the block's,
+        ``[fresh + len(block), V]``."""
         reuse = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - fresh)
         self.runner.crop(reuse)
         self._tokens = list(tokens)
-        new_tokens = token_tensor(self._tokens[reuse:], self.device)
+        new_tokens = self._new_tokens(tokens, reuse)
         num_logits = fresh
         if block is not None:
-            self._unread = [block]
+            if block_ids is None:
+                self._unread = [block]
+            else:
+                self._tokens += block_ids
             new_tokens = torch.cat((new_tokens[0], block))[None]
             num_logits += block.shape[0]
         logits = self.runner.forward(new_tokens, num_logits)
         self.forward_calls += 1
         return logits
+
+    def _new_tokens(self, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """``long[1, n]`` on the device: ``tokens[start:]``, from the followed sequence where
+        it holds them, else from the host."""
+        if self._source is not None:
+            found = self._source.find(tokens, start, len(tokens))
+            if found is not None:
+                return found.to(self.device, non_blocking=True)[None]
+        return token_tensor(tokens[start:], self.device)
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,8 @@ class LeanForward:
     they grow by doubling (:attr:`allocations` counts the times they were made).
 
     ``compiled``: forwards of up to :data:`COMPILED_MAX_TOKENS` new tokens (a draft step, a
-    verified block) run through ``torch.compile``, attending over the whole buffer with a mask
+    verified block) run through ``torch.compile`` as one graph from the token ids to the
+    logits (:meth:`_step`), attending over the whole buffer with a mask
     so that their shapes do not change as the cache fills; on CUDA in mode ``reduce-overhead``,
     which replays each size as a CUDA graph (recorded on its first use), the sizes padded to
     ``pad_sizes`` (by default :data:`COMPILED_SIZES` on CUDA, none elsewhere). One token and
@@ -141,12 +142,15 @@ class LeanForward:
         self.compile_checks: dict[str, float] = {}
         """Per kind of compiled forward (``token``, ``block``): its first forward's largest
         logit difference from the eager forward, relative to the largest eager logit."""
-        self._compiled_layers = None
+        self._compiled_step = None
+        self._graph_outputs = False
         self.pad_sizes: tuple[int, ...] = ()
         if compiled:
             on_cuda = self.device.type == "cuda"
             mode = "reduce-overhead" if on_cuda else None
-            self._compiled_layers = torch.compile(self._layers, mode=mode, fullgraph=True)
+            self._compiled_step = torch.compile(self._step, mode=mode, fullgraph=True)
+            # CUDA graphs write their outputs where the next replay writes them again.
+            self._graph_outputs = on_cuda
             chosen = COMPILED_SIZES if pad_sizes is None and on_cuda else pad_sizes or ()
             self.pad_sizes = tuple(sorted(chosen))
 
@@ -192,7 +196,7 @@ class LeanForward:
                 buffer = torch.zeros(shape, dtype=like.dtype, device=self.device)
                 if index < len(old) and kept:
                     buffer[:, :, :kept] = old[index][:, :, :kept]
-                if self._compiled_layers is not None:
+                if self._compiled_step is not None:
                     # Updated in place by the CUDA graphs, which keep its address; any
                     # capacity runs the same graph.
                     torch._dynamo.mark_static_address(buffer)
@@ -205,7 +209,7 @@ class LeanForward:
         positions = torch.arange(capacity, device=self.device)[None]
         cos, sin = self.model.model.rotary_emb(like, positions)
         self.cos, self.sin = cos[0], sin[0]
-        if self._compiled_layers is not None:
+        if self._compiled_step is not None:
             torch._dynamo.mark_dynamic(self.cos, 0)
             torch._dynamo.mark_dynamic(self.sin, 0)
         self.capacity = capacity
@@ -230,7 +234,7 @@ class LeanForward:
         """Logits ``[num_logits, V]`` for the last positions of ``input_ids`` ``long[1, n]``,
         which continue the ``length`` cached positions."""
         n = input_ids.shape[1]
-        if self._compiled_layers is not None and n <= COMPILED_MAX_TOKENS:
+        if self._compiled_step is not None and n <= COMPILED_MAX_TOKENS:
             return self._compiled_forward(input_ids, num_logits)
         start, end = self.length, self.length + n
         hidden = self.model.model.embed_tokens(input_ids)  # [1, n, D]
@@ -250,30 +254,43 @@ class LeanForward:
         hidden = self.model.model.norm(hidden[:, -num_logits:])
         return self.model.get_output_embeddings()(hidden)[0]
 
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of the new tokens ``input_ids`` ``long[1, n]`` at ``positions``
+        ``long[n]``: the embedding, the layers attending over every buffered position with
+        those past each token masked (shapes that do not change as the cache fills), the
+        final norm and the head. The compiled forward's one graph."""
+        hidden = self.model.model.embed_tokens(input_ids)  # [1, n, D]
+        buffered = torch.arange(self.keys[0].shape[2], device=positions.device)
+        visible = buffered <= positions[:, None]  # [n, capacity]
+        hidden = self._layers(hidden, positions, visible, None)
+        return self.model.get_output_embeddings()(self.model.model.norm(hidden))[0]
+
     def _compiled_forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """:meth:`forward` through the compiled layers, at the padded size: the padding's keys
-        and values land past the new tokens, where nothing sees them before a later forward
-        overwrites them. Where compiling fails, whatever the error, this forward and every
-        later one run eagerly, said in one line."""
+        """:meth:`forward` through the compiled :meth:`_step`, at the padded size: the
+        padding's keys and values land past the new tokens, where nothing sees them before a
+        later forward overwrites them. Where compiling fails, whatever the error, this forward
+        and every later one run eagerly, said in one line."""
         n = input_ids.shape[1]
         size = next((s for s in self.pad_sizes if s >= n), n)
         padded = input_ids
         if size > n:
             padded = torch.cat((input_ids, input_ids[:, -1:].expand(1, size - n)), dim=1)
+        elif torch.is_inference_mode_enabled() and not input_ids.is_inference():
+            # Made outside inference mode (a drafter's choice): to the graph another kind of
+            # tensor than the inputs made inside it, for which it would compile again.
+            padded = input_ids.clone()
         start = self.length
-        hidden = self.model.model.embed_tokens(padded)  # [1, size, D]
-        self._reserve(start + size, hidden)
+        self._reserve(start + size, self.model.model.embed_tokens.weight)
         positions = torch.arange(start, start + size, device=self.device)
-        # Every buffered position, those past each new token masked: fixed shapes.
-        visible = torch.arange(self.capacity, device=self.device) <= positions[:, None]
-        self._mark_dynamic(hidden, positions, visible)
+        self._mark_dynamic(padded, positions)
         kind = "token" if size == 1 else "block"
         try:
             if kind in self.compile_checks:
-                output = self._compiled_layers(hidden, positions, visible, None)
-                logits = self._logits(output[:, :n], num_logits)
+                logits = self._compiled_step(padded, positions)[n - num_logits : n]
+                if self._graph_outputs:  # the next replay overwrites them
+                    logits = logits.clone()
             else:
-                logits = self._first_compiled(kind, hidden, positions, visible, n, num_logits)
+                logits = self._first_compiled(kind, padded, positions, n, num_logits)
         except Exception as error:  # noqa: BLE001 - any failure to compile runs eagerly
             self._drop_compiled(f"could not compile it ({error_line(error, limit=200)})")
             return self.forward(input_ids, num_logits)  # the cache's values written again
@@ -283,7 +300,7 @@ class LeanForward:
     def _drop_compiled(self, reason: str) -> None:
         """Run every later forward eagerly, saying why on stderr in one line."""
         say(f"warning: {self._name()}'s compiled forward: {reason}; running eagerly")
-        self._compiled_layers = None
+        self._compiled_step = None
         self.forward_path = "lean"
 
     def _name(self) -> str:
@@ -294,9 +311,8 @@ class LeanForward:
     def _first_compiled(
         self,
         kind: str,
-        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
-        visible: torch.Tensor,
         n: int,
         num_logits: int,
     ) -> torch.Tensor:
@@ -306,11 +322,12 @@ class LeanForward:
         name = self._name()
         say(f"compiling {name}'s forward ({'one token' if kind == 'token' else 'blocks'}) ...")
         started = time.perf_counter()
-        eager = self._logits(self._layers(hidden, positions, visible, None)[:, :n], num_logits)
-        # The compiled layers write the same positions again: the cache holds their values.
+        eager = self._step(input_ids, positions)[n - num_logits : n]
+        # The compiled step writes the same positions again: the cache holds their values.
         with one_model_compiling():
-            compiled = self._compiled_layers(hidden, positions, visible, None)
-        logits = self._logits(compiled[:, :n], num_logits)
+            logits = self._compiled_step(input_ids, positions)[n - num_logits : n]
+        if self._graph_outputs:
+            logits = logits.clone()
         scale = eager.abs().max().clamp_min(torch.finfo(eager.dtype).tiny)
         difference = float((logits - eager).abs().max() / scale)
         self.compile_checks[kind] = difference
@@ -323,21 +340,16 @@ class LeanForward:
             f"differs from the eager one ({difference:.2g} of the largest logit, over "
             f"{tolerance:.2g} allowed in {eager.dtype})"
         )
-        self._layers(hidden, positions, visible, None)  # the eager values back in the cache
+        self._step(input_ids, positions)  # the eager values back in the cache
         return eager
 
-    def _mark_dynamic(
-        self, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
-    ) -> None:
-        """Let the compiled layers take this forward's inputs at any capacity and, beyond
-        one token, any block size (the buffers are marked when made): a graph for one token
-        and one for blocks, not one per size met, within dynamo's limit of recompilations
-        per function."""
-        sized = [(visible, 1)]
-        if hidden.shape[1] > 1:
-            sized += [(hidden, 1), (positions, 0), (visible, 0)]
-        for tensor, dim in sized:
-            torch._dynamo.mark_dynamic(tensor, dim)
+    def _mark_dynamic(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Let the compiled step take blocks of any size (the buffers, whose capacity may
+        change, are marked when made): a graph for one token and one for blocks, not one per
+        size met, within dynamo's limit of recompilations per function."""
+        if input_ids.shape[1] > 1:
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(positions, 0)
 
     def _layers(
         self,

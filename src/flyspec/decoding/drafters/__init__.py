@@ -15,7 +15,7 @@ from flyspec.decoding.drafters.model import ModelDrafter
 from flyspec.decoding.drafters.ngram import NgramDrafter, find_ngram_continuation
 from flyspec.decoding.drafters.prediction import PredictionDrafter
 from flyspec.errors import FlyspecError
-from flyspec.models.cache import LanguageModel
+from flyspec.models.cache import DeviceTokens, LanguageModel
 
 __all__ = [
     "Draft",
@@ -37,12 +37,15 @@ def make_drafter(
     generator: torch.Generator | None = None,
     prediction: Sequence[int] | None = None,
     prompt_length: int = 0,
+    context: DeviceTokens | None = None,
 ) -> Drafter | None:
     """The built-in drafter ``config.drafter`` names, with ``config``'s settings (None in mode
     ``target``). ``draft_lm``: the draft model, which ``model`` and ``mla`` need;
     ``generator``: the random source of a sampled draft. With a ``prediction`` (token ids of
     the expected answer, after ``prompt_length`` prompt tokens), blocks come from it first,
-    then from prompt lookup, then from the draft model where ``config.drafter`` uses one."""
+    then from prompt lookup, then from the draft model where ``config.drafter`` uses one.
+    ``context``: the request's context on the device, which blocks from the context or the
+    prediction are cut from (none: they are copied from the host)."""
     if config.mode == "target":
         return None
     if prediction is not None:
@@ -57,9 +60,10 @@ def make_drafter(
             fallback=fallback,
             max_ngram=config.max_ngram,
             end_tokens=end_tokens,
+            context=context,
         )
     if config.drafter == "ngram":
-        return NgramDrafter(max_ngram=config.max_ngram, end_tokens=end_tokens)
+        return NgramDrafter(max_ngram=config.max_ngram, end_tokens=end_tokens, context=context)
     if draft_lm is None:
         raise FlyspecError(
             f"mode {config.mode!r} with the {config.drafter!r} drafter needs a draft model"

@@ -19,10 +19,12 @@ class Draft:
     ``probs`` ``[K, V]`` it was sampled from (None means deterministic, i.e. one-hot); and the
     draft model's ``confidence`` ``float[K]`` in each of its tokens (:func:`token_confidence`;
     None for drafters without a model, such as prompt lookup); and where the tokens come from
-    (``source``). ``tokens`` are on the CPU, cut after an end token, unless ``unread``: then
-    they stay on the draft model's device, uncut, for the decoder to read with its verdict
-    and hand back to ``settle`` (the drafter's record of what its steps fed). ``probs`` and
-    ``confidence`` may stay on the draft model's device."""
+    (``source``). ``tokens`` may be on the CPU or on a device; ``ids`` are the same tokens as
+    the host knows them (None: read them from ``tokens`` when needed). A read block is cut
+    after an end token. An ``unread`` block stays on the draft model's device, uncut, for
+    the decoder to read with its verdict and hand back to ``settle`` (the drafter's record of
+    what its steps fed). ``probs`` and ``confidence`` may stay on the draft model's
+    device."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
@@ -30,24 +32,33 @@ class Draft:
     source: DraftSource = "model"
     unread: bool = False
     settle: Callable[[list[int]], None] | None = None
+    ids: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
     def empty() -> Draft:
-        return Draft(tokens=torch.zeros(0, dtype=torch.long))
+        return Draft(tokens=torch.zeros(0, dtype=torch.long), ids=())
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The block's token ids (read from :attr:`tokens` where the host does not know
+        them yet)."""
+        return list(self.ids) if self.ids is not None else self.tokens.tolist()
 
     def settled(self, ids: Sequence[int], length: int) -> Draft:
         """The read draft: ``ids``, the values of :attr:`tokens`, given to :attr:`settle`, and
-        the block as the decoder goes on with it, its first ``length`` tokens on the CPU."""
+        the block as the decoder goes on with it, its first ``length`` tokens (left where
+        they are, with their ids)."""
         if self.settle is not None:
             self.settle(list(ids))
         return Draft(
-            tokens=torch.tensor(ids[:length], dtype=torch.long),
+            tokens=self.tokens[:length],
             probs=None if self.probs is None else self.probs[:length],
             confidence=None if self.confidence is None else self.confidence[:length],
             source=self.source,
+            ids=tuple(ids[:length]),
         )
 
 

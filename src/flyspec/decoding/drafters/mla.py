@@ -65,6 +65,7 @@ class MlaDrafter:
         return Draft(
             tokens=torch.tensor(tokens[:k], dtype=torch.long),
             confidence=torch.cat(confidence)[:k] if confidence else None,
+            ids=tuple(tokens[:k]),
         )
 
     def reset(self) -> None:

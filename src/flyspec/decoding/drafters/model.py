@@ -75,9 +75,10 @@ class ModelDrafter:
         self.lm.record_steps(read[:-1])  # the steps fed all but the last
         tokens = through_end(read, self.end_tokens)
         return Draft(
-            tokens=torch.tensor(tokens, dtype=torch.long),
+            tokens=chosen_tokens[: len(tokens)],
             probs=torch.stack(probs[: len(tokens)]) if probs else None,
             confidence=confidence[: len(tokens)],
+            ids=tuple(tokens),
         )
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -18,12 +18,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
 from flyspec.decoding.drafters.base import Draft, Drafter, through_end
-from flyspec.decoding.drafters.ngram import find_ngram_continuation
+from flyspec.decoding.drafters.ngram import block_from, look_up
 from flyspec.errors import FlyspecError
+from flyspec.models.cache import DeviceTokens
 
 DEFAULT_MIN_MATCH = 3
 """Answer tokens that must match the prediction for its place to be found again: fewer would
@@ -111,6 +111,7 @@ class PredictionDrafter:
         min_match: int = DEFAULT_MIN_MATCH,
         max_ngram: int = DEFAULT_MAX_NGRAM,
         end_tokens: Collection[int] = (),
+        context: DeviceTokens | None = None,
     ) -> None:
         if len(prediction) == 0:
             raise FlyspecError("the prediction is empty: give at least one token, or none")
@@ -120,6 +121,10 @@ class PredictionDrafter:
         self.min_match = min_match
         self.max_ngram = max_ngram
         self.end_tokens = frozenset(end_tokens)
+        self.context = context
+        self._on_device = None
+        if context is not None:
+            self._on_device = DeviceTokens(prediction, device=context.device)
         self._known = Place(index=0, matched=0)
         self._known_at = 0  # answer length when the place was last known
         self._planned: tuple[int, Place | None] | None = None
@@ -150,31 +155,34 @@ class PredictionDrafter:
         place = self.place(context)
         if place is not None:
             return "prediction" if place.sure else "prediction-found"
-        if self._look_up(context, 1):
+        if len(self._look_up(context, 1)):
             return "lookup"
         return "model" if self.fallback is not None else "lookup"
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         place = self.place(context)
         if place is not None:
-            tokens = through_end(
-                self.prediction[place.index : place.index + k].tolist(), self.end_tokens
-            )
-            return Draft(tokens=torch.tensor(tokens, dtype=torch.long), source="prediction")
+            start = place.index
+            ids = through_end(self.prediction[start : start + k].tolist(), self.end_tokens)
+            on_device = None
+            if self._on_device is not None:
+                on_device = self._on_device.span(start, start + len(ids))
+            return block_from(ids, source="prediction", on_device=on_device)
         looked_up = self._look_up(context, k)
-        if looked_up or self.fallback is None:
-            tokens = through_end(looked_up, self.end_tokens)
-            return Draft(tokens=torch.tensor(tokens, dtype=torch.long), source="lookup")
+        if len(looked_up) or self.fallback is None:
+            return looked_up
         return self.fallback.propose(context, k)
 
-    def _look_up(self, context: Sequence[int], k: int) -> list[int]:
+    def _look_up(self, context: Sequence[int], k: int) -> Draft:
         """Prompt lookup from a tail of ``min_match`` tokens at least: a shorter one, in
         code, matches almost anywhere."""
-        return find_ngram_continuation(
+        return look_up(
             context,
             k=k,
             max_ngram=max(self.max_ngram, self.min_match),
             min_ngram=self.min_match,
+            end_tokens=self.end_tokens,
+            on_device=self.context,
         )
 
     def reset(self) -> None:
