@@ -3,10 +3,25 @@
 import os
 
 import pytest
+import torch
 
 from tests.tiny import make_tiny_model, make_tiny_tokenizer, save_tiny_gguf, save_tiny_pair
 
 GGUF_VOCAB = 96
+DECODE_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random float64 target of vocabulary :data:`DECODE_VOCAB`, for the decoding
+    tests (float64: forwards of any size agree, so exact decoding gives its greedy tokens)."""
+    return make_tiny_model(vocab_size=DECODE_VOCAB, seed=1, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """A tiny random float64 draft, of the target's vocabulary and another seed."""
+    return make_tiny_model(vocab_size=DECODE_VOCAB, seed=2, dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")

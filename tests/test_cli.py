@@ -54,6 +54,12 @@ def assert_one_line_error(code, err, fragment):
         (["serve", "--dry-run"], "--dry-run prints the command of a vLLM server"),
         (["generate", "x", "--seed", str(2**64)], "seed must be an integer in [0, 2**63 - 1]"),
         (["generate", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63 - 1]"),
+        (["generate", "x", "--presence-penalty", "3"], "presence_penalty must be"),
+        (["generate", "x", "--repetition-penalty", "0"], "repetition_penalty must be"),
+        (
+            ["serve", "--engine", "vllm", "--frequency-penalty", "1", "--dry-run"],
+            "not mapped onto vLLM",
+        ),
         (["generate", "\udcff"], "the prompt is not valid UTF-8: byte 0xff at offset 0"),
         (["bench", "--methods", "fly@0"], "must be an integer >= 1 or auto, in 'fly@0'"),
         (["bench", "--methods", "target@3"], "method target drafts nothing"),
@@ -139,6 +145,28 @@ def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
     spread = result["speedup_spread"]
     assert spread["repeats"] == 2 and spread["low"] <= result["speedup"] <= spread["high"]
     assert isinstance(result["reliable"], bool) and "busy" in result["machine_load"]
+
+
+def test_generate_decodes_under_the_penalties_given(capsys, tiny_pair):
+    plain = generate_on_tiny_pair(capsys, tiny_pair, "--max-tokens", "16", "--json")
+    penalised = generate_on_tiny_pair(
+        capsys,
+        tiny_pair,
+        "--max-tokens",
+        "16",
+        "--json",
+        "--frequency-penalty",
+        "2",
+        "--presence-penalty",
+        "1",
+        "--repetition-penalty",
+        "1.5",
+    )
+    assert plain[0] == penalised[0] == 0
+    plain_ids, penalised_ids = (json.loads(out)["token_ids"] for _, out, _ in (plain, penalised))
+    assert penalised_ids != plain_ids
+    # No token of the answer repeats more than the plain answer's most repeated one.
+    assert max(map(penalised_ids.count, penalised_ids)) <= max(map(plain_ids.count, plain_ids))
 
 
 def comparison(target_speeds, method_speeds, others_cpu_fraction):

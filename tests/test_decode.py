@@ -18,21 +18,11 @@ from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import CachedLM, common_prefix_length
-from tests.host_reads import HostReads
-from tests.tiny import make_tiny_model
+from flyspec.testing.host_reads import HostReads
+from tests.sampling import binned_distance, token_histogram
 
 VOCAB = 64
 PROMPTS = [[3, 7, 11, 7, 3, 7, 11], [5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3]]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_model(vocab_size=VOCAB, seed=1, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return make_tiny_model(vocab_size=VOCAB, seed=2, dtype=torch.float64)
 
 
 def run(decoder, prompt, config, stats=None):
@@ -228,26 +218,10 @@ def test_speculative_sampling_keeps_the_targets_distribution(target, draft):
     with torch.inference_mode():
         logits = target(input_ids=torch.tensor([prompt])).logits[0, -1]
     expected = sampling_probs(logits, sampling).float()
-    trials = 400
-    histogram = torch.zeros(VOCAB)
-    for seed in range(trials):
-        config = DecodeConfig(
-            mode="spd",
-            k=3,
-            max_new_tokens=4,
-            draft_temperature=1.0,
-            sampling=SamplingConfig(temperature=0.5, seed=seed),
-        )
-        histogram[next(iter(decoder.stream(prompt, config))).token] += 1
+    histogram = token_histogram(decoder, prompt, sampling, trials=400)
     # Five bins (the target's four likeliest tokens and the rest) keep sampling noise small:
     # a mean total variation of about 0.03 for 400 draws.
-    top = expected.topk(4).indices
-
-    def binned(probs):
-        return torch.cat([probs[top], (1 - probs[top].sum()).reshape(1)])
-
-    total_variation = 0.5 * (binned(histogram / trials) - binned(expected)).abs().sum()
-    assert total_variation < 0.07
+    assert binned_distance(histogram, expected, bins=5) < 0.07
 
 
 @pytest.mark.parametrize("forward_path", FORWARD_PATHS)

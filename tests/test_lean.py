@@ -8,13 +8,14 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flyspec.bench.forward_cost import time_forwards
 from flyspec.config import FORWARD_PATHS, DecodeConfig, FlyConfig, KernelConfig
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, TransformersForward, make_forward
 from flyspec.models.kernels import check_compiled_forward
 from flyspec.models.lean import LeanForward, lean_unsupported_reason
-from tests.host_reads import HostReads
+from flyspec.testing.host_reads import HostReads
 from tests.tiny import make_tiny_model
 
 VOCAB = 64
@@ -246,9 +247,10 @@ def test_a_request_and_a_runner_made_apart_share_the_compiled_graphs(model):
 def test_every_kind_of_request_runs_on_the_same_two_graphs():
     """A model's compiled forward is one graph for one token and one for blocks, whatever
     feeds it: the context's tail cut from the device's copy, a drafter's step chosen outside
-    inference mode, a block, a prompt lookup's block, a prediction's."""
-    target = make_tiny_model(vocab_size=VOCAB, seed=5, hidden=48)  # a shape of its own
-    draft = make_tiny_model(vocab_size=VOCAB, seed=6, hidden=48)
+    inference mode, a block, a prompt lookup's block, a prediction's, a row of a wider
+    tensor."""
+    target = make_tiny_model(vocab_size=VOCAB, seed=5, hidden=56)  # a width no other test compiles
+    draft = make_tiny_model(vocab_size=VOCAB, seed=6, hidden=56)
     decoder = SpeculativeDecoder(target, draft, forward_path="compiled")
     graphs_before = counters["stats"]["unique_graphs"]
     for prompt in ([3, 7, 11, 7, 3], [5, 6, 7, 8, 9, 10, 11, 5, 6]):
@@ -256,4 +258,6 @@ def test_every_kind_of_request_runs_on_the_same_two_graphs():
             config = DecodeConfig(mode=mode, drafter=drafter, k=4, max_new_tokens=12)
             list(decoder.stream(prompt, config))
         list(decoder.stream(prompt, DecodeConfig(mode="spd", k=4), prediction=prompt))
+    # Another runner, fed rows cut from a wider tensor (as the bench's forward costs are).
+    time_forwards(target, new_tokens=(1, 3, 8), forward_paths=("compiled",), context_tokens=10)
     assert counters["stats"]["unique_graphs"] - graphs_before == 2

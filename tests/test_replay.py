@@ -16,7 +16,7 @@ from flyspec.config import DecodeConfig, FlyConfig
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats, RoundStats
 from flyspec.errors import FlyspecError
-from tests.host_reads import HostReads
+from flyspec.testing.host_reads import HostReads
 from tests.tiny import make_tiny_model
 
 VOCAB = 64

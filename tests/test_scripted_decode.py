@@ -17,16 +17,10 @@ from flyspec.config import DecodeConfig
 from flyspec.decoding.drafters import Draft
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.errors import FlyspecError
-from tests.tiny import make_tiny_model
 
 VOCAB = 64
 PROMPT = [3, 7, 11, 7, 3]
 LENGTH = 24
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_model(vocab_size=VOCAB, seed=1, dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.stats import RequestStats, RoundStats
 from flyspec.engine import Engine, TextChunk
 from flyspec.server.app import create_app
@@ -194,6 +194,7 @@ class ScriptedEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.has_draft = engine.has_draft
+        self.vocab_size = engine.vocab_size
         self.context_length = 1_000_000
         self.token_id = engine.tokenizer.convert_tokens_to_ids("a")
         self.reset()
@@ -435,6 +436,36 @@ def test_openai_client(oai):
     assert caught.value.body["param"] == "k"
 
 
+def test_penalties_and_biases_decode_as_the_library_does(oai, tiny_engine):
+    """presence_penalty, frequency_penalty, logit_bias (and repetition_penalty, an
+    extension) reach the decoder: the server's text is the library's with the same settings,
+    and a bias of -100 keeps a token out of the answer."""
+    plain = tiny_engine.generate(PROMPT, DecodeConfig(mode="target", max_new_tokens=16))
+    banned = plain.token_ids[2]
+    sampling = SamplingConfig(
+        presence_penalty=0.8,
+        frequency_penalty=1.2,
+        repetition_penalty=1.3,
+        logit_bias=((banned, -100.0), (plain.token_ids[0], 5.0)),
+    )
+    for mode in ("target", "spd", "fly"):
+        expected = tiny_engine.generate(
+            PROMPT, DecodeConfig(mode=mode, k=4, max_new_tokens=16, sampling=sampling)
+        )
+        assert banned not in expected.token_ids and expected.token_ids != plain.token_ids
+        completion = oai.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            presence_penalty=0.8,
+            frequency_penalty=1.2,
+            logit_bias={str(banned): -100, str(plain.token_ids[0]): 5},
+            extra_body={"mode": mode, "k": 4, "repetition_penalty": 1.3},
+        )
+        assert completion.choices[0].text == expected.text
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -472,7 +503,13 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
     ({"prompt": PROMPT, "thetta": 0.3}, "thetta"),
     ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": PROMPT, "frequency_penalty": "high"}, "frequency_penalty"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": "up"}}, "logit_bias.5"),
+    ({"prompt": PROMPT, "logit_bias": {str(VOCAB + 4): 1}}, "logit_bias"),
 ]
 
 BAD_CHATS = [

@@ -183,6 +183,7 @@ class GatedEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.has_draft = engine.has_draft
+        self.vocab_size = engine.vocab_size
         self.context_length = engine.context_length
         self.entered = threading.Event()
         self.release = threading.Event()

@@ -209,14 +209,68 @@ class LlamaCppConfig:
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's tokens are chosen; temperature 0 (or below :data:`MIN_TEMPERATURE`)
-    means greedy."""
+    means greedy. Penalties and biases change the target's distribution before it is chosen
+    from (:mod:`flyspec.decoding.penalties`): ``presence_penalty`` and ``frequency_penalty``
+    as OpenAI defines them (in [-2, 2], over the tokens generated), ``repetition_penalty`` as
+    vLLM and transformers do (> 0, 1 = off, over the prompt and the tokens generated),
+    ``logit_bias`` as ``(token id, bias)`` pairs (each bias in [-100, 100])."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2 <= value <= 2,
+                f"{name} must be a number in [-2, 2], got {value!r}",
+                field=name,
+            )
+        _check(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+            f"repetition_penalty must be a number in (0, 100] (1 = off), "
+            f"got {self.repetition_penalty!r}",
+            field="repetition_penalty",
+        )
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        _check(
+            isinstance(bias, tuple)
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool)
+                and pair[0] >= 0
+                and _is_number(pair[1])
+                and -100 <= pair[1] <= 100
+                for pair in bias
+            ),
+            "logit_bias must map token ids (integers >= 0) to biases in [-100, 100], "
+            f"got {self.logit_bias!r}",
+            field="logit_bias",
+        )
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias)))
+        self._check_choice()
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty or a bias changes the target's distribution."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    def _check_choice(self) -> None:
         _check(
             isinstance(self.temperature, (int, float))
             and math.isfinite(self.temperature)
@@ -246,6 +300,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _greedy_below_minimum(temperature: float) -> float:

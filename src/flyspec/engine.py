@@ -176,6 +176,11 @@ class Engine:
         return self.decoder.draft is not None
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the target's logits: the token ids a request can name."""
+        return self.decoder.vocab_size
+
+    @property
     def context_length(self) -> int:
         """The most positions (prompt + generated) the target model supports."""
         if self.backend == "llamacpp":

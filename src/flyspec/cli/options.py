@@ -521,6 +521,33 @@ def _sampling_options() -> list[Option]:
         (("--top-k",), dict(type=int, default=0, help="top-k sampling (0 = off)")),
         (("--top-p",), dict(type=number, default=1.0, help="top-p sampling (1 = off)")),
         (
+            ("--presence-penalty",),
+            dict(
+                type=number,
+                default=0.0,
+                help="subtracted once from a token's logit if it occurred in the answer, as "
+                "OpenAI's (in [-2, 2]; default 0)",
+            ),
+        ),
+        (
+            ("--frequency-penalty",),
+            dict(
+                type=number,
+                default=0.0,
+                help="subtracted from a token's logit for each time it occurred in the answer, "
+                "as OpenAI's (in [-2, 2]; default 0)",
+            ),
+        ),
+        (
+            ("--repetition-penalty",),
+            dict(
+                type=number,
+                default=1.0,
+                help="divides the positive logits (multiplies the negative ones) of tokens in "
+                "the prompt or the answer, as vLLM's (> 0; default 1: off)",
+            ),
+        ),
+        (
             ("--draft-temperature",),
             dict(
                 type=number,
@@ -583,7 +610,17 @@ def decode_config_from_args(args: argparse.Namespace, **fixed) -> cfg.DecodeConf
         if calibration is not None:
             fly = calibration.fly
     sampling = {
-        name: values[name] for name in ("temperature", "top_k", "top_p", "seed") if name in values
+        name: values[name]
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        if name in values
     }
     decode = {
         name: values[name]

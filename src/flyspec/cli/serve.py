@@ -286,6 +286,11 @@ def run_vllm_serve(args: argparse.Namespace, defaults) -> int:
         )
     if defaults.loosen_predicted:
         raise FlyspecError("--loosen-predicted: vLLM has no Predicted Outputs")
+    if defaults.sampling.penalised:
+        raise FlyspecError(
+            "--presence-penalty, --frequency-penalty and --repetition-penalty are not mapped "
+            "onto vLLM (send them with each request)"
+        )
     spec = vllm_engine_spec(args, defaults, mode=defaults.mode)
     sampling = defaults.sampling
     generation = {"temperature": sampling.temperature, "max_new_tokens": defaults.max_new_tokens}

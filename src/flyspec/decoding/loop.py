@@ -12,10 +12,11 @@ from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
-from flyspec.config import DecodeConfig
+from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
+from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
@@ -39,6 +40,7 @@ cached text outlives the code that produced it."""
 
 _SPECULATION_SETTINGS = ("drafter", "k", "fly", "draft_temperature", "draft_confidence", "auto_k")
 _DRAFTING_SETTINGS = ("max_ngram", "mla_proposals")
+_PENALTY_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 def text_settings(config: DecodeConfig) -> dict:
@@ -47,6 +49,9 @@ def text_settings(config: DecodeConfig) -> dict:
     target alone drafts nothing; exact speculative decoding has no FLy rule)."""
     settings = dataclasses.asdict(config)
     settings.pop("max_new_tokens")
+    for name, value in dataclasses.asdict(SamplingConfig()).items():
+        if name in _PENALTY_SETTINGS and settings["sampling"][name] == value:
+            settings["sampling"].pop(name)  # off: the keys of texts decoded before them
     if not config.auto_k:
         settings.pop("auto_k")
     if config.fly_in_force is None or not config.loosen_predicted:
@@ -139,6 +144,8 @@ class SpeculativeDecoder:
                 if draft.unread and not config.sampling.greedy:
                     draft = self._read(draft)
                 target_logits = self._score(request.context, draft)  # one forward: [k + 1, V]
+                if request.penalties is not None:
+                    target_logits = request.penalties.apply(target_logits, block=draft.tokens)
                 verdict = self._verify(draft, target_logits, config, generator)
                 if draft.unread:  # read with the verdict: settled without another read
                     self.target.record_steps(verdict.draft_ids)
@@ -161,13 +168,19 @@ class SpeculativeDecoder:
         stop string) one step late: a request that ends there has computed one forward too
         many, and emitted nothing past its end. The same forwards, and so the same tokens,
         as the rounds of the target alone in :meth:`stream`; one read of the device a token."""
-        token = self.target.logits(request.context, 1)[-1].argmax()  # on the device, unread
+        penalties = request.penalties
+        logits = self.target.logits(request.context, 1)
+        if penalties is not None:
+            logits = penalties.apply(logits)
+        token = logits[-1].argmax()  # on the device, unread
         while (room := request.room()) > 0:
             request.draft(0)  # no block: times the round from here
             chosen, read = token, read_later(token)
             logits = None
             if room > 1:  # the next forward, launched before the host waits for this token
                 logits = self.target.step(chosen)
+                if penalties is not None:  # the context and the token not yet committed
+                    logits = penalties.apply(logits[None], after=chosen.reshape(1))[0]
                 token = logits.argmax()
             value = read()
             if logits is not None:
@@ -211,11 +224,19 @@ class SpeculativeDecoder:
         positions = len(prompt_ids) + config.max_new_tokens + largest + 1
         # The context on the device too, which the forwards and blocks are taken from.
         tokens = DeviceTokens(prompt_ids, device=self.target.device, capacity=positions)
+        penalties = None
+        if config.sampling.penalised:
+            penalties = RequestPenalties(
+                config.sampling,
+                tokens=tokens,
+                prompt_length=len(prompt_ids),
+                vocab_size=self.vocab_size,
+            )
         # The built-in drafter's draft model, where it drafts: -k auto reads its cost.
         draft_lm = self.draft if drafter is None and config.uses_draft_model else None
         given = drafter is not None
         if drafter is None:
-            drafter = self._make_drafter(config, tokens, prediction)
+            drafter = self._make_drafter(config, tokens, prediction, penalties)
         if not self.reuse_prefix:
             self.target.reset()
         for lm in (self.target, self.draft if config.uses_draft_model else None):
@@ -239,6 +260,7 @@ class SpeculativeDecoder:
             auto = RequestAutoK(self.auto_k, config)
         return Request(
             tokens=tokens,
+            penalties=penalties,
             config=config,
             stats=stats,
             drafter=drafter,
@@ -249,11 +271,15 @@ class SpeculativeDecoder:
         )
 
     def _make_drafter(
-        self, config: DecodeConfig, tokens: DeviceTokens, prediction: Sequence[int] | None
+        self,
+        config: DecodeConfig,
+        tokens: DeviceTokens,
+        prediction: Sequence[int] | None,
+        penalties: RequestPenalties | None,
     ) -> Drafter | None:
         """The built-in drafter ``config`` names (None for the target alone) for a request
         whose context, the prompt so far, is ``tokens``, drafting from ``prediction`` first
-        where one is given."""
+        where one is given, its model under the request's ``penalties``."""
         generator = None
         if self.draft is not None and config.draft_temperature > 0:
             generator = _generator(self.draft.device, config, offset=1)
@@ -265,6 +291,7 @@ class SpeculativeDecoder:
             prediction=prediction,
             prompt_length=len(tokens),
             context=tokens,
+            penalties=penalties,
         )
 
     def _end_tokens(self, device: torch.device) -> torch.Tensor:

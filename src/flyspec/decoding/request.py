@@ -17,6 +17,7 @@ import torch
 from flyspec.config import DecodeConfig
 from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
+from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
 from flyspec.decoding.verify import Verdict, loose_token_features
 from flyspec.models.cache import DeviceTokens, LanguageModel
@@ -116,9 +117,10 @@ class Request:
     """One request's state between rounds and the steps the loop calls on it.
 
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
-    after), the list of ``tokens``, which holds them on the device too. Each round is timed
-    here: drafting in :meth:`draft`, the target's forward and the verification from then
-    until :meth:`commit`. ``drafter`` is None for the target alone;
+    after), the list of ``tokens``, which holds them on the device too. ``penalties``: what
+    changes the target's distribution before verification reads it (None: nothing). Each
+    round is timed here: drafting in :meth:`draft`, the target's forward and the
+    verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
     ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto`` is ``-k
     auto``'s controller, None for a fixed K.
 
@@ -131,6 +133,7 @@ class Request:
         self,
         *,
         tokens: DeviceTokens,
+        penalties: RequestPenalties | None = None,
         config: DecodeConfig,
         stats: RequestStats,
         drafter: Drafter | None,
@@ -141,6 +144,7 @@ class Request:
     ) -> None:
         self.tokens = tokens
         self.context = tokens.ids
+        self.penalties = penalties
         self.config = config
         self.stats = stats
         self.drafter = drafter

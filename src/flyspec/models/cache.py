@@ -49,6 +49,9 @@ class DeviceTokens:
     def __init__(self, ids: Sequence[int], *, device: torch.device, capacity: int = 0) -> None:
         self.ids: list[int] = list(ids)
         self.device = device
+        self.version = 0
+        """Changed by every change of the sequence (what is counted from it can be kept
+        until then)."""
         self._buffer = torch.empty(max(capacity, len(self.ids), 1), dtype=torch.long, device=device)
         if self.ids:
             self._buffer[: len(self.ids)] = token_tensor(self.ids, device)[0]
@@ -71,10 +74,12 @@ class DeviceTokens:
             on_device = token_tensor(tokens, self.device)[0]
         self._buffer[start:end] = on_device.reshape(-1)
         self.ids.extend(tokens)
+        self.version += 1
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens."""
         del self.ids[length:]
+        self.version += 1
 
     def find(self, tokens: Sequence[int], start: int, end: int) -> torch.Tensor | None:
         """``long[end - start]`` on the device: positions ``start..end-1`` of ``tokens``, where

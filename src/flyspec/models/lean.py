@@ -255,11 +255,11 @@ class LeanForward:
         return self.model.get_output_embeddings()(hidden)[0]
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, V]`` of the new tokens ``input_ids`` ``long[1, n]`` at ``positions``
+        """Logits ``[n, V]`` of the new tokens ``input_ids`` ``long[n]`` at ``positions``
         ``long[n]``: the embedding, the layers attending over every buffered position with
         those past each token masked (shapes that do not change as the cache fills), the
         final norm and the head. The compiled forward's one graph."""
-        hidden = self.model.model.embed_tokens(input_ids)  # [1, n, D]
+        hidden = self.model.model.embed_tokens(input_ids)[None]  # [1, n, D]
         buffered = torch.arange(self.keys[0].shape[2], device=positions.device)
         visible = buffered <= positions[:, None]  # [n, capacity]
         hidden = self._layers(hidden, positions, visible, None)
@@ -272,13 +272,15 @@ class LeanForward:
         and every later one run eagerly, said in one line."""
         n = input_ids.shape[1]
         size = next((s for s in self.pad_sizes if s >= n), n)
-        padded = input_ids
+        # One dimension: a row cut from a wider tensor keeps that tensor's strides in two,
+        # which the graph's guards would take for another input.
+        padded = input_ids.reshape(n)
         if size > n:
-            padded = torch.cat((input_ids, input_ids[:, -1:].expand(1, size - n)), dim=1)
+            padded = torch.cat((padded, padded[-1:].expand(size - n)))
         elif torch.is_inference_mode_enabled() and not input_ids.is_inference():
             # Made outside inference mode (a drafter's choice): to the graph another kind of
             # tensor than the inputs made inside it, for which it would compile again.
-            padded = input_ids.clone()
+            padded = padded.clone()
         start = self.length
         self._reserve(start + size, self.model.model.embed_tokens.weight)
         positions = torch.arange(start, start + size, device=self.device)
@@ -347,8 +349,8 @@ class LeanForward:
         """Let the compiled step take blocks of any size (the buffers, whose capacity may
         change, are marked when made): a graph for one token and one for blocks, not one per
         size met, within dynamo's limit of recompilations per function."""
-        if input_ids.shape[1] > 1:
-            torch._dynamo.mark_dynamic(input_ids, 1)
+        if input_ids.shape[0] > 1:
+            torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
 
     def _layers(

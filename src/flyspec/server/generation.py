@@ -200,6 +200,15 @@ class GenerationHandler:
                 code="context_length_exceeded",
             )
         config = request_config(self.defaults, body, max_new_tokens=max_tokens)
+        vocab_size = self.engine.vocab_size
+        outside = [token for token, _ in config.sampling.logit_bias if token >= vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: token {outside[0]} is not in the model's vocabulary "
+                f"({vocab_size} tokens)",
+                param="logit_bias",
+            )
         prediction_ids = None
         if body.prediction is not None:
             prediction_ids = self.engine.encode_prediction(body.prediction)

@@ -253,7 +253,8 @@ class _Request(BaseModel):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, int | float] | None = None
+    repetition_penalty: float | None = None  # extension, as vLLM's
     stream_options: dict[str, Any] | None = None
     prediction: Any = None
     # FLy settings and top-k (extensions)
@@ -315,12 +316,18 @@ class _Request(BaseModel):
         """``(param, message)`` for the first standard field set to something not implemented."""
         if self.n not in (None, 1):
             return "n", "only n = 1 is supported"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name} is not supported (send 0 or leave it out)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs (ValueError for a key that is not a
+        token id)."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {quote(key)}")
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
 
     @property
     def stop_strings(self) -> tuple[str, ...] | None:

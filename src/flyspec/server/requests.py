@@ -29,6 +29,10 @@ _CONFIG_PARAMS = {
             "temperature",
             "top_k",
             "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
             "stop",
             "loosen_predicted",
         )
@@ -61,11 +65,19 @@ def request_config(
         if any(value is not None for value in overrides.values()):
             fly = replace(fly, **{k: v for k, v in overrides.items() if v is not None})
         sampling = defaults.sampling
+        try:
+            bias = body.bias_pairs if body.logit_bias is not None else sampling.logit_bias
+        except ValueError as error:
+            raise ConfigError(str(error), field="logit_bias") from None
         sampling = SamplingConfig(
             temperature=pick(body.temperature, sampling.temperature),
             top_k=pick(body.top_k, sampling.top_k),
             top_p=pick(body.top_p, sampling.top_p),
             seed=pick(body.seed, sampling.seed),
+            presence_penalty=pick(body.presence_penalty, sampling.presence_penalty),
+            frequency_penalty=pick(body.frequency_penalty, sampling.frequency_penalty),
+            repetition_penalty=pick(body.repetition_penalty, sampling.repetition_penalty),
+            logit_bias=bias,
         )
         stop = body.stop_strings
         k, auto_k = block_size(defaults, body.k)

@@ -14,6 +14,7 @@ from flyspec.decoding.drafters.mla import MlaDrafter
 from flyspec.decoding.drafters.model import ModelDrafter
 from flyspec.decoding.drafters.ngram import NgramDrafter, find_ngram_continuation
 from flyspec.decoding.drafters.prediction import PredictionDrafter
+from flyspec.decoding.penalties import RequestPenalties
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import DeviceTokens, LanguageModel
 
@@ -38,6 +39,7 @@ def make_drafter(
     prediction: Sequence[int] | None = None,
     prompt_length: int = 0,
     context: DeviceTokens | None = None,
+    penalties: RequestPenalties | None = None,
 ) -> Drafter | None:
     """The built-in drafter ``config.drafter`` names, with ``config``'s settings (None in mode
     ``target``). ``draft_lm``: the draft model, which ``model`` and ``mla`` need;
@@ -45,14 +47,19 @@ def make_drafter(
     the expected answer, after ``prompt_length`` prompt tokens), blocks come from it first,
     then from prompt lookup, then from the draft model where ``config.drafter`` uses one.
     ``context``: the request's context on the device, which blocks from the context or the
-    prediction are cut from (none: they are copied from the host)."""
+    prediction are cut from (none: they are copied from the host). ``penalties``: the
+    request's, which the draft model drafts under as the target is verified under them."""
     if config.mode == "target":
         return None
     if prediction is not None:
         fallback = None
         if config.drafter != "ngram":
             fallback = make_drafter(
-                config, draft_lm=draft_lm, end_tokens=end_tokens, generator=generator
+                config,
+                draft_lm=draft_lm,
+                end_tokens=end_tokens,
+                generator=generator,
+                penalties=penalties,
             )
         return PredictionDrafter(
             prediction,
@@ -75,6 +82,7 @@ def make_drafter(
             max_ngram=config.max_ngram,
             min_confidence=config.draft_confidence,
             end_tokens=end_tokens,
+            penalties=penalties,
         )
     return ModelDrafter(
         draft_lm,
@@ -82,4 +90,5 @@ def make_drafter(
         generator=generator,
         min_confidence=config.draft_confidence,
         end_tokens=end_tokens,
+        penalties=penalties,
     )

@@ -16,11 +16,13 @@ import torch
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
 from flyspec.decoding.drafters.base import Draft, end_index, first_unconfident, token_confidence
 from flyspec.decoding.drafters.ngram import find_ngram_continuation
+from flyspec.decoding.penalties import RequestPenalties
 from flyspec.models.cache import LanguageModel
 
 
 class MlaDrafter:
-    """Greedy model drafting that verifies prompt-lookup proposals in its own forwards."""
+    """Greedy model drafting that verifies prompt-lookup proposals in its own forwards (under
+    the request's ``penalties`` where given, as the model drafter)."""
 
     def __init__(
         self,
@@ -30,8 +32,10 @@ class MlaDrafter:
         max_ngram: int = DEFAULT_MAX_NGRAM,
         min_confidence: float = 0.0,
         end_tokens: Collection[int] = (),
+        penalties: RequestPenalties | None = None,
     ) -> None:
         self.lm = lm
+        self.penalties = penalties
         self.end_tokens = frozenset(end_tokens)
         self.proposals = proposals
         self.max_ngram = max_ngram
@@ -46,6 +50,12 @@ class MlaDrafter:
             room = min(self.proposals, k - len(tokens) - 1)
             proposal = find_ngram_continuation(sequence, k=room, max_ngram=self.max_ngram)
             logits = self.lm.logits(sequence + proposal, len(proposal) + 1)  # [P+1, V]
+            if self.penalties is not None:  # the block so far, and the proposal before each row
+                logits = self.penalties.apply(
+                    logits,
+                    after=torch.tensor(tokens, dtype=torch.long),
+                    block=torch.tensor(proposal, dtype=torch.long),
+                )
             greedy = logits.argmax(dim=-1)
             matches = 0
             while matches < len(proposal) and proposal[matches] == int(greedy[matches]):

@@ -13,6 +13,7 @@ from flyspec.decoding.drafters.base import (
     through_end,
     token_confidence,
 )
+from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import LanguageModel
 
@@ -21,7 +22,9 @@ class ModelDrafter:
     """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
     the block carries the distributions it was sampled from, for lossless verification).
     The block ends after an ``end_tokens`` token (EOS), and with ``min_confidence > 0`` after
-    the first token the model was unsure of."""
+    the first token the model was unsure of. With a request's ``penalties``, each step
+    chooses from its logits penalised as the target's are, the block's earlier tokens
+    counted."""
 
     def __init__(
         self,
@@ -31,8 +34,10 @@ class ModelDrafter:
         generator: torch.Generator | None = None,
         min_confidence: float = 0.0,
         end_tokens: Collection[int] = (),
+        penalties: RequestPenalties | None = None,
     ) -> None:
         self.lm = lm
+        self.penalties = penalties
         self.end_tokens = frozenset(end_tokens)
         self.sampling = SamplingConfig(temperature=temperature)
         self.generator = generator
@@ -54,6 +59,9 @@ class ModelDrafter:
         for index in range(k):
             if index:
                 logits = self.lm.step(chosen[-1])
+            if self.penalties is not None:
+                drafted = torch.cat(chosen) if chosen else None
+                logits = self.penalties.apply(logits[None], after=drafted)[0]
             choice, step_probs = self._choose(logits)
             chosen.append(choice)
             rows.append(logits)
