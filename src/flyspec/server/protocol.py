@@ -3,7 +3,9 @@
 Requests are validated strictly (a number sent as a string is an error, as with OpenAI) and
 unknown fields are refused, so a misspelt setting is reported instead of silently ignored.
 Standard OpenAI fields the server does not implement are accepted only at their neutral value
-(``presence_penalty: 0``, ``logprobs: null`` ...), and refused otherwise.
+(``n: 1``, ``logprobs: null`` ...), and refused otherwise; platform options with nothing to do
+here (``metadata``, ``service_tier``, ``store: false`` ...) are checked and accepted
+(docs/server.md, "What a request may send").
 
 ``prediction`` (Predicted Outputs) is OpenAI's ``{"type": "content", "content": ...}``, the
 content a string or a list of text parts; it is read as its text. ``loosen_predicted``
@@ -38,6 +40,23 @@ GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
+METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
+METADATA_KEY_LIMIT = 64
+METADATA_VALUE_LIMIT = 512
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+"""OpenAI's service tiers: each is accepted and served as ``default``, the only one here."""
+NOT_YET = (
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "audio",
+    "web_search_options",
+    "reasoning_effort",
+    "verbosity",
+)
+"""Chat fields refused with 400 whatever their value (docs/server.md)."""
 ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
 MESSAGE_LIMIT = 300  # characters of an error message built around a client's value
 
@@ -257,6 +276,12 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None  # extension, as vLLM's
     stream_options: dict[str, Any] | None = None
     prediction: Any = None
+    # Accepted, with no effect on the answer: identifiers and options of OpenAI's platform.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # FLy settings and top-k (extensions)
     mode: str | None = None
     drafter: str | None = None
@@ -279,6 +304,30 @@ class _Request(BaseModel):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > METADATA_PAIRS:
+            raise ValueError(f"metadata holds at most {METADATA_PAIRS} pairs, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > METADATA_KEY_LIMIT or len(text) > METADATA_VALUE_LIMIT:
+                raise ValueError(
+                    f"metadata keys hold at most {METADATA_KEY_LIMIT} characters and values "
+                    f"{METADATA_VALUE_LIMIT}: {quote(key)} is too long"
+                )
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, value: str | None) -> str | None:
+        if value is not None and value not in SERVICE_TIERS:
+            raise ValueError(
+                f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {quote(value)}"
+            )
+        return value
 
     @field_validator("prediction")
     @classmethod
@@ -316,6 +365,8 @@ class _Request(BaseModel):
         """``(param, message)`` for the first standard field set to something not implemented."""
         if self.n not in (None, 1):
             return "n", "only n = 1 is supported"
+        if self.store:
+            return "store", "store: this server keeps no completions (send false or leave it out)"
         return None
 
     @property
@@ -398,6 +449,18 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    modalities: list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    # Refused unless left out (docs/server.md, "What a request may send").
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -416,6 +479,11 @@ class ChatCompletionRequest(_Request):
             return "logprobs", "logprobs is not supported"
         if self.top_logprobs:
             return "top_logprobs", "top_logprobs is not supported"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", 'modalities: this server answers in text only (send ["text"])'
+        for name in NOT_YET:
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         return None
