@@ -222,6 +222,7 @@ class ScriptedEngine:
         stats: RequestStats | None = None,
         should_stop=None,
         prediction=None,
+        logprobs=None,
     ):
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
@@ -466,6 +467,64 @@ def test_penalties_and_biases_decode_as_the_library_does(oai, tiny_engine):
         assert completion.choices[0].text == expected.text
 
 
+def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
+    """Chat ``logprobs`` with ``top_logprobs``, completions' ``logprobs``: each token's
+    log-probability is the library's, streamed or not, with how the token was obtained."""
+    config = DecodeConfig(mode="fly", k=4, max_new_tokens=12)
+    expected = tiny_engine.generate(tiny_engine.encode_messages(MESSAGES), config, logprobs=2)
+    extra = {"mode": "fly", "k": 4}
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == len(expected.token_ids)
+    for entry, record, origin in zip(content, expected.logprobs, expected.origins, strict=True):
+        assert entry.logprob == pytest.approx(record.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in record.top])
+        assert entry.model_extra["origin"] == origin
+        assert bytes(entry.bytes).decode() == entry.token
+    # The tokens' texts make the answer, special tokens (which the answer leaves out) apart.
+    special = set(tiny_engine.tokenizer.all_special_tokens)
+    kept = [entry.token for entry in content if entry.token not in special]
+    assert "".join(kept) == chat.choices[0].message.content
+    streamed = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body=extra,
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.logprob for e in entries] == [e.logprob for e in content]
+
+    completion = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3, extra_body=extra
+    )
+    logprobs = completion.choices[0].logprobs
+    assert (
+        len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    )
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+    kept = [token for token in logprobs.tokens if token not in special]
+    assert logprobs.text_offset[0] == 0 and "".join(kept) == completion.choices[0].text
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -502,7 +561,7 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "defer": "sometimes"}, "defer"),
     ({"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
     ({"prompt": PROMPT, "thetta": 0.3}, "thetta"),
-    ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ({"prompt": PROMPT, "logprobs": 6}, "logprobs"),
     ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": PROMPT, "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
@@ -778,7 +837,9 @@ def test_serve_command_line():
 class ThreadRecordingEngine(ScriptedEngine):
     """A :class:`ScriptedEngine` that records the thread each generation runs on."""
 
-    def stream(self, prompt_ids, config, *, stats=None, should_stop=None, prediction=None):
+    def stream(
+        self, prompt_ids, config, *, stats=None, should_stop=None, prediction=None, logprobs=None
+    ):
         self.threads.append(threading.get_ident())
         yield from super().stream(prompt_ids, config, stats=stats, should_stop=should_stop)
 

@@ -63,7 +63,7 @@ ANSWERED = {
     "n": 1,
     "best_of": 1,
     "logprobs": None,
-    "top_logprobs": 0,
+    "top_logprobs": 0,  # with logprobs left out: nothing asked
     "echo": False,
     "suffix": "",
 }
@@ -73,8 +73,8 @@ REFUSED = {
     "best_of": 2,
     "store": True,
     "modalities": ["text", "audio"],
-    "logprobs": 1,
-    "top_logprobs": 3,
+    "logprobs": 6,  # chat: not a boolean; completions: past 5 alternatives
+    "top_logprobs": 21,
     "echo": True,
     "suffix": "return x",
     "response_format": {"type": "json_object"},

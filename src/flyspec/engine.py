@@ -13,6 +13,7 @@ import torch
 
 from flyspec.config import BACKENDS, DecodeConfig, KernelConfig, LlamaCppConfig
 from flyspec.decoding.drafters import Drafter
+from flyspec.decoding.logprobs import TokenLogprob
 from flyspec.decoding.loop import Origin, SpeculativeDecoder, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
@@ -93,6 +94,7 @@ class TextChunk:
     text: str
     token: int | None
     origin: Origin
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ class GenerationResult:
     token_ids: list[int]
     origins: list[Origin]
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # where asked for
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict()}
@@ -335,6 +338,7 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
         drafter: Drafter | None = None,
         prediction: Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
         ``config.max_new_tokens``.
@@ -345,7 +349,9 @@ class Engine:
         ``drafter``: any :class:`~flyspec.decoding.drafters.Drafter` instead of
         ``config.drafter``'s.
         ``prediction``: token ids the answer is expected to largely repeat
-        (:meth:`encode_prediction`), drafted from first.
+        (:meth:`encode_prediction`), drafted from first. ``logprobs``: each chunk of a token
+        carries its log-probability, with that many alternatives
+        (:meth:`SpeculativeDecoder.stream`).
         """
         if prediction is not None:
             self.check_prediction(prompt_ids, prediction)
@@ -358,14 +364,21 @@ class Engine:
         stats = stats if stats is not None else RequestStats()
         text = StopTextDecoder(self.tokenizer, config.stop)
         events: Iterator[TokenEvent] = self.decoder.stream(
-            prompt_ids, config, stats=stats, drafter=drafter, prediction=prediction
+            prompt_ids,
+            config,
+            stats=stats,
+            drafter=drafter,
+            prediction=prediction,
+            logprobs=logprobs,
         )
         last: TokenEvent | None = None
         try:
             for event in events:
                 last = event
                 piece = text.add(event.token)
-                yield TextChunk(text=piece, token=event.token, origin=event.origin)
+                yield TextChunk(
+                    text=piece, token=event.token, origin=event.origin, logprob=event.logprob
+                )
                 if text.stopped or (should_stop is not None and should_stop()):
                     break
         finally:
@@ -385,9 +398,10 @@ class Engine:
         chat: bool = False,
         drafter: Drafter | None = None,
         prediction: str | Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> GenerationResult:
-        """Run one request to the end (``drafter`` as in :meth:`stream`; ``prediction``: the
-        text, or token ids, the answer is expected to largely repeat)."""
+        """Run one request to the end (``drafter`` and ``logprobs`` as in :meth:`stream`;
+        ``prediction``: the text, or token ids, the answer is expected to largely repeat)."""
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt
         if isinstance(prediction, str):
             prediction = self.encode_prediction(prediction)
@@ -395,16 +409,27 @@ class Engine:
         pieces: list[str] = []
         token_ids: list[int] = []
         origins: list[Origin] = []
+        records: list[TokenLogprob | None] = []
         chunks = self.stream(
-            prompt_ids, config, stats=stats, drafter=drafter, prediction=prediction
+            prompt_ids,
+            config,
+            stats=stats,
+            drafter=drafter,
+            prediction=prediction,
+            logprobs=logprobs,
         )
         for chunk in chunks:
             pieces.append(chunk.text)
             if chunk.token is not None:
                 token_ids.append(chunk.token)
                 origins.append(chunk.origin)
+                records.append(chunk.logprob)
         return GenerationResult(
-            text="".join(pieces), token_ids=token_ids, origins=origins, stats=stats
+            text="".join(pieces),
+            token_ids=token_ids,
+            origins=origins,
+            stats=stats,
+            logprobs=records if logprobs is not None else [],
         )
 
 

@@ -16,6 +16,7 @@ from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
+from flyspec.decoding.logprobs import MAX_TOP_LOGPROBS
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
@@ -120,6 +121,7 @@ class SpeculativeDecoder:
         stats: RequestStats | None = None,
         drafter: Drafter | None = None,
         prediction: Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[TokenEvent]:
         """Yield committed tokens until ``max_new_tokens`` or EOS; never more.
 
@@ -131,11 +133,17 @@ class SpeculativeDecoder:
         Outputs): blocks come from it where the answer follows it, else from the built-in
         drafter (:class:`~flyspec.decoding.drafters.prediction.PredictionDrafter`); mode ``target``
         drafts nothing and ignores it.
+        ``logprobs``: each event carries its token's log-probability under the distribution
+        verification read (:mod:`flyspec.decoding.logprobs`), with that many of the likeliest
+        tokens there (0 to 20; None: none are computed, the default: one read more a round).
         """
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise FlyspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         request = self._start(prompt_ids, config, stats, drafter, prediction)
+        request.logprobs = logprobs
         generator = _generator(self.target.device, config)
         try:
-            if request.drafter is None and config.sampling.greedy:
+            if request.drafter is None and config.sampling.greedy and logprobs is None:
                 yield from self._run_ahead(request)
                 return
             while (room := request.room()) > 0:

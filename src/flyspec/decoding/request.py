@@ -17,9 +17,10 @@ import torch
 from flyspec.config import DecodeConfig
 from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
+from flyspec.decoding.logprobs import TokenLogprob, token_logprobs
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
-from flyspec.decoding.verify import Verdict, loose_token_features
+from flyspec.decoding.verify import Verdict, loose_token_features, sampling_logits
 from flyspec.models.cache import DeviceTokens, LanguageModel
 
 Origin = Literal["exact", "loose", "correction", "bonus"]
@@ -30,11 +31,13 @@ the target alone every token is a bonus of an empty block)."""
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One committed token, yielded as soon as its round is verified."""
+    """One committed token, yielded as soon as its round is verified; with its
+    log-probability where the request asked for them (``logprobs``)."""
 
     token: int
     origin: Origin
     round_index: int
+    logprob: TokenLogprob | None = None
 
 
 class BusyClock:
@@ -71,6 +74,8 @@ class Held:
     round_slot: int
     loose_token: LooseToken
     correction_on_device: torch.Tensor | None = None  # long[1], where the device holds it
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # of the tokens, where asked for
+    correction_logprob: TokenLogprob | None = None
 
     def resolve(
         self, confirmed: bool, stats: RequestStats, *, eos_token_ids: Collection[int]
@@ -87,8 +92,12 @@ class Held:
                 deferral="confirmed",
                 loose_tokens=(*before.loose_tokens, self.loose_token),
             )
-            pairs = zip(self.tokens, self.origins, strict=True)
-            return [(self._event(token, origin), self.round_slot) for token, origin in pairs]
+            logprobs = self.logprobs or (None,) * len(self.tokens)
+            triples = zip(self.tokens, self.origins, logprobs, strict=True)
+            return [
+                (self._event(token, origin, logprob), self.round_slot)
+                for token, origin, logprob in triples
+            ]
         ends = self.correction in eos_token_ids
         stats.rounds[self.round_slot] = replace(
             before,
@@ -96,10 +105,13 @@ class Held:
             ended_by_eos=ends,
             deferral="rolled_back",
         )
-        return [] if ends else [(self._event(self.correction, "correction"), self.round_slot)]
+        if ends:
+            return []
+        event = self._event(self.correction, "correction", self.correction_logprob)
+        return [(event, self.round_slot)]
 
-    def _event(self, token: int, origin: Origin) -> TokenEvent:
-        return TokenEvent(token=token, origin=origin, round_index=self.round_index)
+    def _event(self, token: int, origin: Origin, logprob: TokenLogprob | None) -> TokenEvent:
+        return TokenEvent(token=token, origin=origin, round_index=self.round_index, logprob=logprob)
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,9 @@ class Request:
 
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
     after), the list of ``tokens``, which holds them on the device too. ``penalties``: what
-    changes the target's distribution before verification reads it (None: nothing). Each
+    changes the target's distribution before verification reads it (None: nothing).
+    :attr:`logprobs`: each emitted token's log-probability is read, with that many
+    alternatives (None, the default: none are read). Each
     round is timed here: drafting in :meth:`draft`, the target's forward and the
     verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
     ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto`` is ``-k
@@ -145,6 +159,7 @@ class Request:
         self.tokens = tokens
         self.context = tokens.ids
         self.penalties = penalties
+        self.logprobs: int | None = None
         self.config = config
         self.stats = stats
         self.drafter = drafter
@@ -305,6 +320,7 @@ class Request:
             verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
         )
         tokens = draft.token_ids[: verdict.num_kept] + [verdict.next_token]
+        logprobs, correction_logprob = self._logprobs(tokens, verdict, target_logits)
         origins: list[Origin] = [
             "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
         ] + ["bonus" if verdict.is_bonus else "correction"]
@@ -339,17 +355,47 @@ class Request:
                 round_slot=slot,
                 loose_token=records[deferral.position],
                 correction_on_device=verdict.correction_on_device(),
+                logprobs=tuple(logprobs[cut:]),
+                correction_logprob=correction_logprob,
             )
         # The context goes on with the emitted tokens, and the held ones after them.
         length = len(tokens) if held else emitted
         on_device = verdict.tokens_on_device()
         self.tokens.extend(tokens[:length], None if on_device is None else on_device[:length])
+        triples = zip(tokens[:emitted], origins[:emitted], logprobs[:emitted], strict=True)
         events += [
-            (TokenEvent(token=token, origin=origin, round_index=self.round_index), slot)
-            for token, origin in zip(tokens[:emitted], origins[:emitted], strict=True)
+            (TokenEvent(token, origin, self.round_index, logprob), slot)
+            for token, origin, logprob in triples
         ]
         self.produced += emitted
         return finished
+
+    def _logprobs(
+        self, tokens: list[int], verdict: Verdict, target_logits: torch.Tensor | None
+    ) -> tuple[list[TokenLogprob | None], TokenLogprob | None]:
+        """The round's tokens' log-probabilities (token ``i`` at row ``i`` of the target's
+        logits, as verification read them) and a deferral's correction's; Nones where the
+        request asked for none."""
+        if self.logprobs is None or target_logits is None:
+            return [None] * len(tokens), None
+        logits = target_logits
+        if not self.config.sampling.greedy:
+            logits = sampling_logits(target_logits, self.config.sampling)
+        rows = logits[: len(tokens)]
+        chosen = verdict.tokens_on_device()  # the device's tokens where it chose them
+        if chosen is None:
+            chosen = torch.tensor(tokens, device=logits.device)
+        deferral = verdict.deferral
+        if deferral is not None:  # and its correction, at the deferred position
+            correction = verdict.correction_on_device()
+            if correction is None:
+                correction = torch.tensor([deferral.correction], device=logits.device)
+            rows = torch.cat((rows, logits[deferral.position : deferral.position + 1]))
+            chosen = torch.cat((chosen.to(logits.device), correction.to(logits.device)))
+        records = token_logprobs(rows, chosen, top=self.logprobs)
+        if deferral is not None:
+            return records[:-1], records[-1]
+        return records, None
 
 
 def loose_records(

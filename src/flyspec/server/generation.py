@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,7 @@ from flyspec.server.protocol import (
     clip,
 )
 from flyspec.server.requests import request_config
-from flyspec.server.scheduler import GenerationQueue, Job, QueueFullError
+from flyspec.server.scheduler import GenerationQueue, Job, Piece, QueueFullError, TokenRecord
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class GenerationHandler:
                 config,
                 timeout=self.request_timeout,
                 prediction_ids=prepared.prediction_ids,
+                logprobs=body.requested_logprobs,
             )
         except QueueFullError:
             raise APIError(
@@ -116,10 +117,10 @@ class GenerationHandler:
             events = self._stream(job, response_id, created, chat=chat)
             return JobStreamingResponse(events, on_close=lambda: self.queue.cancel(job))
         try:
-            text = await _wait_unless_disconnected(request, job)
+            answer = await _wait_unless_disconnected(request, job)
         finally:
             self.queue.cancel(job)  # no-op once the job has ended
-        if text is None:
+        if answer is None:
             return Response(status_code=CLIENT_CLOSED)
         if job.outcome == "error":
             raise generation_failed(job)
@@ -131,14 +132,26 @@ class GenerationHandler:
                 request_id=response_id,
                 created=created,
                 model=self.model_name,
-                text=text,
+                text=answer.text,
                 finish_reason=job.finish_reason or "length",
                 usage_=responses.job_usage(job),
                 speculative_=responses.speculative(
                     job.config.mode, job.stats, timed_out=job.timed_out
                 ),
+                logprobs=self._logprobs(job, answer.records, chat=chat),
             )
         )
+
+    def _logprobs(
+        self, job: Job, records: Sequence[TokenRecord], *, chat: bool, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice or a chunk (None where the request asked for none)."""
+        if job.logprobs is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        if chat:
+            return responses.chat_logprobs(records, tokenizer)
+        return responses.completion_logprobs(records, tokenizer, text_offset=text_offset)
 
     def prepare(self, raw: bytes, *, content_type: str | None, chat: bool) -> Prepared:
         """Parse and check a request body and turn it into prompt token ids and decoding
@@ -257,11 +270,16 @@ class GenerationHandler:
         common = {"request_id": response_id, "created": created, "model": self.model_name}
         if chat:
             yield sse(responses.chat_chunk(**common, delta={"role": "assistant", "content": ""}))
+        offset = 0
         async for piece in job.pieces():
+            logprobs = self._logprobs(job, piece.records, chat=chat, text_offset=offset)
+            offset += len(piece.text)
             if chat:
-                yield sse(responses.chat_chunk(**common, delta={"content": piece}))
+                delta = {"content": piece.text}
+                yield sse(responses.chat_chunk(**common, delta=delta, logprobs=logprobs))
             else:
-                yield sse(responses.completion_chunk(**common, text=piece))
+                chunk = responses.completion_chunk(**common, text=piece.text, logprobs=logprobs)
+                yield sse(chunk)
         if job.outcome == "error":
             yield sse(generation_failed(job).body())
         elif job.outcome == "cancelled":
@@ -301,8 +319,8 @@ class JobStreamingResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-async def _wait_unless_disconnected(request: Request, job: Job) -> str | None:
-    """The job's text, or None when the client disconnected first."""
+async def _wait_unless_disconnected(request: Request, job: Job) -> Piece | None:
+    """The job's text and token records, or None when the client disconnected first."""
     text_task = asyncio.ensure_future(job.wait())
     gone_task = asyncio.ensure_future(_disconnected(request))
     try:

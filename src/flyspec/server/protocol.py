@@ -40,6 +40,8 @@ GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
+CHAT_TOP_LOGPROBS = 20  # OpenAI's limits on the alternatives of a token's logprobs
+COMPLETION_LOGPROBS = 5
 METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
 METADATA_KEY_LIMIT = 64
 METADATA_VALUE_LIMIT = 512
@@ -413,13 +415,19 @@ class CompletionRequest(_Request):
             return found
         if self.echo:
             return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs is not supported"
+        if self.logprobs is not None and not 0 <= self.logprobs <= COMPLETION_LOGPROBS:
+            return "logprobs", f"logprobs must be in [0, {COMPLETION_LOGPROBS}] (the alternatives)"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of = 1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """The alternatives each token's log-probability comes with (None: no
+        log-probabilities)."""
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -471,14 +479,21 @@ class ChatCompletionRequest(_Request):
             else (self.max_tokens)
         )
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        """The alternatives each token's log-probability comes with (None: no
+        log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
         found = super().unsupported()
         if found:
             return found
-        if self.logprobs:
-            return "logprobs", "logprobs is not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported"
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= CHAT_TOP_LOGPROBS:
+                return "top_logprobs", f"top_logprobs must be in [0, {CHAT_TOP_LOGPROBS}]"
+            if self.top_logprobs and not self.logprobs:
+                return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", 'modalities: this server answers in text only (send ["text"])'
         for name in NOT_YET:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from flyspec.decoding.stats import RequestStats
 from flyspec.server.protocol import FinishReason
+from flyspec.server.scheduler import TokenRecord
 
 
 def new_id(prefix: str) -> str:
@@ -76,6 +78,7 @@ def response_body(
     finish_reason: FinishReason,
     usage_: dict[str, int],
     speculative_: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A finished ``chat.completion`` (``chat``) or ``text_completion``."""
     choice: dict[str, Any] = {"index": 0}
@@ -83,7 +86,7 @@ def response_body(
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    choice.update(logprobs=None, finish_reason=finish_reason)
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -95,6 +98,54 @@ def response_body(
     }
 
 
+def chat_logprobs(records: Sequence[TokenRecord], tokenizer) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: each token's text, log-probability, UTF-8 bytes and
+    likeliest alternatives, and how the token was obtained (``origin``, an extension:
+    ``loose`` for a token FLy kept loosely)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        {
+            **entry(record.token, record.logprob.logprob),
+            "top_logprobs": [entry(token, value) for token, value in record.logprob.top],
+            "origin": record.origin,
+        }
+        for record in records
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    records: Sequence[TokenRecord], tokenizer, *, text_offset: int = 0
+) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (the legacy shape): the tokens' texts, their
+    log-probabilities, their alternatives as ``{text: logprob}``, where each token's text
+    starts in the answer (from ``text_offset``), and (an extension) each token's origin."""
+    tokens, offsets = [], []
+    for record in records:
+        offsets.append(text_offset)
+        tokens.append(token_text(tokenizer, record.token))
+        text_offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [record.logprob.logprob for record in records],
+        "top_logprobs": [
+            {token_text(tokenizer, token): value for token, value in record.logprob.top}
+            for record in records
+        ],
+        "text_offset": offsets,
+        "origins": [record.origin for record in records],
+    }
+
+
+def token_text(tokenizer, token: int) -> str:
+    """The text of one token as the answer shows it (special tokens included)."""
+    return tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 def completion_chunk(
     *,
     request_id: str,
@@ -102,14 +153,16 @@ def completion_chunk(
     model: str,
     text: str,
     finish_reason: FinishReason | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [choice],
     }
 
 
@@ -120,12 +173,14 @@ def chat_chunk(
     model: str,
     delta: dict[str, str],
     finish_reason: FinishReason | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``chat.completion.chunk``."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [choice],
     }

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flyspec.config import DecodeConfig
+from flyspec.decoding.logprobs import TokenLogprob
+from flyspec.decoding.loop import Origin
 from flyspec.decoding.stats import RequestStats
 
 logger = logging.getLogger("flyspec.server")
@@ -44,6 +46,24 @@ class _End:
     """Sentinel put on a job's event queue when it has ended."""
 
 
+@dataclass(frozen=True)
+class TokenRecord:
+    """An emitted token with its log-probability (a job that asked for them)."""
+
+    token: int
+    origin: Origin
+    logprob: TokenLogprob
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text released by the engine, and the records of the tokens emitted since the last
+    piece (where the job asked for log-probabilities)."""
+
+    text: str
+    records: tuple[TokenRecord, ...] = ()
+
+
 class Job:
     """One request's generation: its inputs, its text as it arrives, and how it ended.
 
@@ -58,8 +78,10 @@ class Job:
         *,
         deadline: float,
         prediction_ids: Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
+        self.logprobs = logprobs
         self.prediction_ids = None if prediction_ids is None else list(prediction_ids)
         self.config = config
         self.deadline = deadline
@@ -70,7 +92,7 @@ class Job:
         self.completion_tokens = 0
         self.stop_requested: JobOutcome | None = None
         self._stop_event = threading.Event()
-        self._events: asyncio.Queue[str | _End] = asyncio.Queue()
+        self._events: asyncio.Queue[Piece | _End] = asyncio.Queue()
         self._deadline_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -90,7 +112,7 @@ class Job:
             return "length"
         return None
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         """The generated text, piece by piece, until the job ends."""
         while True:
             item = await self._events.get()
@@ -99,9 +121,11 @@ class Job:
                 return
             yield item
 
-    async def wait(self) -> str:
-        """The whole text, once the job has ended."""
-        return "".join([piece async for piece in self.pieces()])
+    async def wait(self) -> Piece:
+        """The whole text and every token's record, once the job has ended."""
+        pieces = [piece async for piece in self.pieces()]
+        records = tuple(record for piece in pieces for record in piece.records)
+        return Piece("".join(piece.text for piece in pieces), records)
 
     # Called from the engine thread.
     def _should_stop(self) -> bool:
@@ -113,7 +137,7 @@ class Job:
             self.stop_requested = reason
         self._stop_event.set()
 
-    def _push(self, piece: str) -> None:
+    def _push(self, piece: Piece) -> None:
         self._events.put_nowait(piece)
 
     def _end(self, outcome: JobOutcome, error: BaseException | None = None) -> None:
@@ -207,6 +231,7 @@ class GenerationQueue:
         *,
         timeout: float,
         prediction_ids: Sequence[int] | None = None,
+        logprobs: int | None = None,
     ) -> Job:
         """Put a job in line, or raise :class:`QueueFullError` when the line is full."""
         if self._loop is None or self._wakeup is None:
@@ -218,6 +243,7 @@ class GenerationQueue:
             config,
             deadline=time.monotonic() + timeout,
             prediction_ids=prediction_ids,
+            logprobs=logprobs,
         )
         job._deadline_timer = self._loop.call_later(timeout, self._on_deadline, job)
         self._waiting.append(job)
@@ -285,16 +311,21 @@ class GenerationQueue:
             stats=job.stats,
             should_stop=job._should_stop,
             prediction=job.prediction_ids,
+            logprobs=job.logprobs,
         )
+        records: list[TokenRecord] = []  # of the tokens since the last piece handed over
         try:
             for chunk in stream:
                 if chunk.token is not None:
                     job.completion_tokens += 1
+                    if chunk.logprob is not None:
+                        records.append(TokenRecord(chunk.token, chunk.origin, chunk.logprob))
                 if chunk.text:
                     try:
-                        loop.call_soon_threadsafe(job._push, chunk.text)
+                        loop.call_soon_threadsafe(job._push, Piece(chunk.text, tuple(records)))
                     except RuntimeError:  # the event loop is gone: the server is stopping
                         return "cancelled", None
+                    records = []
             if job._should_stop():
                 return job.stop_requested or "cancelled", None
         except Exception as error:
