@@ -13,7 +13,6 @@ forwards up; the second is counted.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from flyspec.config import DecodeConfig, FlyConfig  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
 from flyspec.support.machine import git_commit  # noqa: E402
-from tests.tiny import make_tiny_model  # noqa: E402
+from tests.tiny import make_tiny_model, near_copy  # noqa: E402
 
 try:
     from flyspec.testing.host_reads import HostReads
@@ -49,17 +48,6 @@ KINDS = {
     "prompt lookup": (DecodeConfig(mode="spd", k=6, drafter="ngram"), False),
     "MLA": (DecodeConfig(mode="spd", k=6, drafter="mla"), False),
 }
-
-
-def near_copy(model: torch.nn.Module, scale: float) -> torch.nn.Module:
-    """``model`` with every weight moved by ``scale`` of its spread."""
-    near = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in near.parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            parameter.add_(noise * scale * parameter.std())
-    return near
 
 
 def main() -> None:

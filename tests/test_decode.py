@@ -20,6 +20,7 @@ from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import CachedLM, common_prefix_length
 from flyspec.testing.host_reads import HostReads
 from tests.sampling import binned_distance, token_histogram
+from tests.tiny import near_copy
 
 VOCAB = 64
 PROMPTS = [[3, 7, 11, 7, 3, 7, 11], [5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3]]
@@ -388,18 +389,6 @@ def test_a_round_reads_the_device_as_often_whatever_its_block_size(target):
         per_round[k] = reads.count / stats.num_rounds
     # One read: the verdict, with the block's ids.
     assert per_round[3] == per_round[9] == 1, per_round
-
-
-def near_copy(model, scale):
-    """``model`` with every weight moved by ``scale`` of its spread: a draft that agrees with
-    it often, and often enough not, for FLy to keep tokens loosely."""
-    near = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in near.parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            parameter.add_(noise * scale * parameter.std())
-    return near
 
 
 ROUND_KINDS = {  # kind: (config, prediction, tensors made from host values per request)

@@ -4,8 +4,6 @@ prediction); and through the server, as OpenAI's clients read them."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -15,21 +13,10 @@ from flyspec.decoding.penalties import penalised_logits
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import sampling_logits
 from flyspec.errors import FlyspecError
+from tests.tiny import near_copy
 
 VOCAB = 64
 PROMPT = [5]
-
-
-def near_copy(model, scale):
-    """``model`` with every weight moved by ``scale`` of its spread (FLy keeps some of its
-    tokens loosely, and defers some)."""
-    near = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in near.parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            parameter.add_(noise * scale * parameter.std())
-    return near
 
 
 def reference_logprobs(model, prompt, tokens, sampling):

@@ -473,7 +473,7 @@ def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
     config = DecodeConfig(mode="fly", k=4, max_new_tokens=12)
     expected = tiny_engine.generate(tiny_engine.encode_messages(MESSAGES), config, logprobs=2)
     extra = {"mode": "fly", "k": 4}
-    chat = oai.chat.completions.create(
+    request = dict(
         model=MODEL,
         messages=MESSAGES,
         max_tokens=12,
@@ -482,6 +482,7 @@ def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
         top_logprobs=2,
         extra_body=extra,
     )
+    chat = oai.chat.completions.create(**request)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == len(expected.token_ids)
     for entry, record, origin in zip(content, expected.logprobs, expected.origins, strict=True):
@@ -493,16 +494,7 @@ def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
     special = set(tiny_engine.tokenizer.all_special_tokens)
     kept = [entry.token for entry in content if entry.token not in special]
     assert "".join(kept) == chat.choices[0].message.content
-    streamed = oai.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        stream=True,
-        extra_body=extra,
-    )
+    streamed = oai.chat.completions.create(**request, stream=True)
     entries = [
         e
         for c in streamed

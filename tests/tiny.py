@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,6 +126,19 @@ def make_tiny_model(
     model.to(dtype)
     model.eval()
     return model
+
+
+def near_copy(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """``model`` with every weight moved by ``scale`` of its spread (seeded): a draft that
+    agrees with it often, and often enough not, for FLy to keep tokens loosely (0.1 on the
+    decoding tests' float64 target: loose tokens, and deferrals confirmed and rolled back)."""
+    near = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in near.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.add_(noise * scale * parameter.std())
+    return near
 
 
 def save_tiny_pair(directory: Path, *, vocab_size: int = 96) -> tuple[Path, Path]:
