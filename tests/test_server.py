@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.stats import RequestStats, RoundStats
-from flyspec.engine import Engine, TextChunk
+from flyspec.engine import FIM_TOKENS, Engine, TextChunk
 from flyspec.server.app import create_app
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 
@@ -515,6 +515,38 @@ def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
     assert logprobs.text_offset[0] == 0 and "".join(kept) == completion.choices[0].text
     plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def fim_engine() -> Engine:
+    """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens."""
+    tokenizer = make_tiny_tokenizer(VOCAB - 3)
+    tokenizer.add_tokens(list(FIM_TOKENS[0]), special_tokens=True)
+    assert len(tokenizer) == VOCAB
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    return Engine(target_model=target, draft_model=target, tokenizer=tokenizer)
+
+
+def test_a_suffix_fills_in_the_middle_through_the_models_tokens(client):
+    engine = fim_engine()
+    prefix, suffix = "def fibonacci(n):\n    ", "\n    return a\n"
+    ids = engine.encode_infill(prefix, suffix)
+    before, after, middle = (engine.tokenizer.convert_tokens_to_ids(t) for t in FIM_TOKENS[0])
+    assert ids[0] == before and ids[-1] == middle and ids.count(after) == 1
+    assert engine.tokenizer.decode(ids[1 : ids.index(after)]) == prefix
+    app = create_app(engine, defaults=DecodeConfig(mode="fly", k=4), model_name=MODEL)
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as fim:
+        for mode in ("target", "spd", "fly"):
+            config = DecodeConfig(mode=mode, k=4, max_new_tokens=12)
+            expected = engine.generate(ids, config).text
+            body = {"prompt": prefix, "suffix": suffix, "max_tokens": 12, "mode": mode, "k": 4}
+            response = fim.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == expected
+    # A model without such tokens: 400, naming the field.
+    refused = client.post("/v1/completions", json={"prompt": PROMPT, "suffix": "x"})
+    assert_error(refused, 400, "suffix")
+    assert "no fill-in-the-middle tokens" in refused.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- bad input

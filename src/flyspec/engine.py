@@ -302,6 +302,25 @@ class Engine:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """Token ids of a fill-in-the-middle prompt: the text before the gap and the text
+        after it, around the model's own FIM tokens, prefix first (the order Qwen2.5-Coder
+        and StarCoder were trained with); the answer is the middle. FlyspecError for a
+        tokenizer with none of the known FIM tokens."""
+        marks = fim_tokens(self.tokenizer)
+        if marks is None:
+            known = "; ".join(" ".join(family) for family in FIM_TOKENS)
+            raise FlyspecError(
+                f"this model has no fill-in-the-middle tokens (known: {known}): send the "
+                "prompt without a suffix"
+            )
+        before, after, middle = marks
+
+        def text(part: str) -> list[int]:
+            return list(self.tokenizer.encode(part, add_special_tokens=False))
+
+        return [before, *text(prefix), after, *text(suffix), middle]
+
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template."""
         if not messages:
@@ -431,6 +450,25 @@ class Engine:
             stats=stats,
             logprobs=records if logprobs is not None else [],
         )
+
+
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+)
+"""The fill-in-the-middle tokens of the model families flyspec knows: before the prefix,
+before the suffix, before the middle (the answer)."""
+
+
+def fim_tokens(tokenizer) -> tuple[int, int, int] | None:
+    """The ids of the first family of :data:`FIM_TOKENS` whose three tokens the tokenizer
+    has, or None."""
+    vocabulary = tokenizer.get_vocab()
+    for family in FIM_TOKENS:
+        if all(token in vocabulary for token in family):
+            before, after, middle = (vocabulary[token] for token in family)
+            return before, after, middle
+    return None
 
 
 def prediction_token_ids(tokenizer, prediction: str) -> list[int]:

@@ -248,6 +248,8 @@ class GenerationHandler:
                 if not body.messages:
                     raise APIError(400, "messages must not be empty", param="messages")
                 return self.engine.encode_messages([m.as_template_dict() for m in body.messages])
+            if body.suffix:
+                return self._encode_infill(body.prompt, body.suffix)
             return self.engine.encode(body.prompt)
         except APIError:
             raise
@@ -263,6 +265,14 @@ class GenerationHandler:
                     param="messages",
                 ) from None
             raise
+
+    def _encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """A completion with a ``suffix``: fill-in-the-middle through the model's tokens
+        (APIError 400 naming ``suffix`` where the model has none)."""
+        try:
+            return self.engine.encode_infill(prefix, suffix)
+        except FlyspecError as error:
+            raise APIError(400, clip(str(error), MESSAGE_LIMIT), param="suffix") from None
 
     async def _stream(
         self, job: Job, response_id: str, created: int, *, chat: bool

@@ -419,8 +419,6 @@ class CompletionRequest(_Request):
             return "logprobs", f"logprobs must be in [0, {COMPLETION_LOGPROBS}] (the alternatives)"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of = 1 is supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
         return None
 
     @property
