@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import httpx
 import openai
@@ -517,6 +518,38 @@ def test_logprobs_are_the_engines_with_their_origins(oai, tiny_engine):
     assert plain.choices[0].logprobs is None
 
 
+def test_n_choices_are_decoded_one_after_another_each_with_its_seed(oai, tiny_engine):
+    prompt_ids = tiny_engine.encode_messages(MESSAGES)
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+    expected = [
+        tiny_engine.generate(
+            prompt_ids,
+            DecodeConfig(mode="fly", k=4, max_new_tokens=8, sampling=replace(sampling, seed=5 + i)),
+        )
+        for i in range(3)
+    ]
+    request = dict(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=5, n=3,
+        extra_body={"mode": "fly", "k": 4},
+    )  # fmt: skip
+    chat = oai.chat.completions.create(**request)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert [c.message.content for c in chat.choices] == [e.text for e in expected]
+    assert chat.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert chat.usage.prompt_tokens == len(prompt_ids)
+    assert all(c.model_extra["speculative"]["mode"] == "fly" for c in chat.choices)
+    texts = ["", "", ""]
+    finished = []
+    for chunk in oai.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert texts == [e.text for e in expected] and finished == [0, 1, 2]
+    greedy = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
 def fim_engine() -> Engine:
     """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens."""
     tokenizer = make_tiny_tokenizer(VOCAB - 3)
@@ -562,7 +595,7 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "max_tokens": -3}, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": PROMPT, "n": 2}, "n"),
+    ({"prompt": PROMPT, "n": 0}, "n"),
     ({"prompt": PROMPT, "temperature": -1}, "temperature"),
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, "top_p"),
@@ -604,7 +637,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": MESSAGES, "n": 3}, "n"),
+    ({"messages": MESSAGES, "n": 17}, "n"),
     ({"messages": MESSAGES, "k": -2}, "k"),
 ]
 

@@ -10,7 +10,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -94,14 +94,63 @@ class GenerationHandler:
             self.prepare, raw, content_type=request.headers.get("content-type"), chat=chat
         )
         prepared = await asyncio.get_running_loop().run_in_executor(self._executor, prepare)
-        body, prompt_ids, config = prepared.body, prepared.prompt_ids, prepared.config
+        configs = choice_configs(prepared.config, prepared.body.n or 1)
+        response_id = responses.new_id("chatcmpl" if chat else "cmpl")
+        created = responses.now()
+        if prepared.body.stream:
+            running = [self._submit(prepared, configs[0])]
+            events = self._stream(prepared, configs, running, response_id, created, chat=chat)
+            return JobStreamingResponse(events, on_close=lambda: self.queue.cancel(running[-1]))
+        answers: list[tuple[Job, Piece]] = []
+        for config in configs:  # one choice after another
+            job = self._submit(prepared, config)
+            try:
+                answer = await _wait_unless_disconnected(request, job)
+            finally:
+                self.queue.cancel(job)  # no-op once the job has ended
+            if answer is None:
+                return Response(status_code=CLIENT_CLOSED)
+            if job.outcome == "error":
+                raise generation_failed(job)
+            if job.outcome == "cancelled":
+                raise shutting_down()
+            answers.append((job, answer))
+        choices = [
+            responses.choice_body(
+                chat=chat,
+                index=index,
+                text=answer.text,
+                finish_reason=job.finish_reason or "length",
+                logprobs=self._logprobs(job, answer.records, chat=chat),
+            )
+            for index, (job, answer) in enumerate(answers)
+        ]
+        if len(answers) > 1:  # each choice says how it was decoded
+            for choice, (job, _) in zip(choices, answers, strict=True):
+                choice["speculative"] = self._speculative(job)
+        jobs = [job for job, _ in answers]
+        return JSONResponse(
+            responses.response_body(
+                chat=chat,
+                request_id=response_id,
+                created=created,
+                model=self.model_name,
+                choices=choices,
+                usage_=responses.jobs_usage(jobs),
+                speculative_=self._speculative(jobs[0]),
+            )
+        )
+
+    def _submit(self, prepared: Prepared, config: DecodeConfig) -> Job:
+        """A job for one choice of a prepared request, in line (APIError 429 when the line
+        is full)."""
         try:
-            job = self.queue.submit(
-                prompt_ids,
+            return self.queue.submit(
+                prepared.prompt_ids,
                 config,
                 timeout=self.request_timeout,
                 prediction_ids=prepared.prediction_ids,
-                logprobs=body.requested_logprobs,
+                logprobs=prepared.body.requested_logprobs,
             )
         except QueueFullError:
             raise APIError(
@@ -111,36 +160,10 @@ class GenerationHandler:
                 type="requests",
                 code="rate_limit_exceeded",
             ) from None
-        response_id = responses.new_id("chatcmpl" if chat else "cmpl")
-        created = responses.now()
-        if body.stream:
-            events = self._stream(job, response_id, created, chat=chat)
-            return JobStreamingResponse(events, on_close=lambda: self.queue.cancel(job))
-        try:
-            answer = await _wait_unless_disconnected(request, job)
-        finally:
-            self.queue.cancel(job)  # no-op once the job has ended
-        if answer is None:
-            return Response(status_code=CLIENT_CLOSED)
-        if job.outcome == "error":
-            raise generation_failed(job)
-        if job.outcome == "cancelled":
-            raise shutting_down()
-        return JSONResponse(
-            responses.response_body(
-                chat=chat,
-                request_id=response_id,
-                created=created,
-                model=self.model_name,
-                text=answer.text,
-                finish_reason=job.finish_reason or "length",
-                usage_=responses.job_usage(job),
-                speculative_=responses.speculative(
-                    job.config.mode, job.stats, timed_out=job.timed_out
-                ),
-                logprobs=self._logprobs(job, answer.records, chat=chat),
-            )
-        )
+
+    @staticmethod
+    def _speculative(job: Job) -> dict[str, Any]:
+        return responses.speculative(job.config.mode, job.stats, timed_out=job.timed_out)
 
     def _logprobs(
         self, job: Job, records: Sequence[TokenRecord], *, chat: bool, text_offset: int = 0
@@ -275,37 +298,76 @@ class GenerationHandler:
             raise APIError(400, clip(str(error), MESSAGE_LIMIT), param="suffix") from None
 
     async def _stream(
-        self, job: Job, response_id: str, created: int, *, chat: bool
+        self,
+        prepared: Prepared,
+        configs: list[DecodeConfig],
+        running: list[Job],
+        response_id: str,
+        created: int,
+        *,
+        chat: bool,
     ) -> AsyncIterator[str]:
+        """Server-sent events of each choice in turn (``running`` holds the first's job, and
+        gets each later one as it starts); the usage, of them all, with the last."""
         common = {"request_id": response_id, "created": created, "model": self.model_name}
-        if chat:
-            yield sse(responses.chat_chunk(**common, delta={"role": "assistant", "content": ""}))
-        offset = 0
-        async for piece in job.pieces():
-            logprobs = self._logprobs(job, piece.records, chat=chat, text_offset=offset)
-            offset += len(piece.text)
+        for index, config in enumerate(configs):
+            if index:
+                try:
+                    running.append(self._submit(prepared, config))
+                except APIError as error:
+                    yield sse(error.body())
+                    break
+            job = running[-1]
             if chat:
-                delta = {"content": piece.text}
-                yield sse(responses.chat_chunk(**common, delta=delta, logprobs=logprobs))
-            else:
-                chunk = responses.completion_chunk(**common, text=piece.text, logprobs=logprobs)
+                delta = {"role": "assistant", "content": ""}
+                yield sse(responses.chat_chunk(**common, delta=delta, index=index))
+            offset = 0
+            async for piece in job.pieces():
+                logprobs = self._logprobs(job, piece.records, chat=chat, text_offset=offset)
+                offset += len(piece.text)
+                if chat:
+                    delta = {"content": piece.text}
+                    chunk = responses.chat_chunk(
+                        **common, delta=delta, logprobs=logprobs, index=index
+                    )
+                else:
+                    chunk = responses.completion_chunk(
+                        **common, text=piece.text, logprobs=logprobs, index=index
+                    )
                 yield sse(chunk)
-        if job.outcome == "error":
-            yield sse(generation_failed(job).body())
-        elif job.outcome == "cancelled":
-            yield sse(shutting_down().body())
-        else:
+            if job.outcome == "error":
+                yield sse(generation_failed(job).body())
+                break
+            if job.outcome == "cancelled":
+                yield sse(shutting_down().body())
+                break
             finish_reason = job.finish_reason or "length"
             if chat:
-                final = responses.chat_chunk(**common, delta={}, finish_reason=finish_reason)
+                final = responses.chat_chunk(
+                    **common, delta={}, finish_reason=finish_reason, index=index
+                )
             else:
-                final = responses.completion_chunk(**common, text="", finish_reason=finish_reason)
-            final["usage"] = responses.job_usage(job)
-            final["speculative"] = responses.speculative(
-                job.config.mode, job.stats, timed_out=job.timed_out
-            )
+                final = responses.completion_chunk(
+                    **common, text="", finish_reason=finish_reason, index=index
+                )
+            if index == len(configs) - 1:
+                final["usage"] = responses.jobs_usage(running)
+            final["speculative"] = self._speculative(job)
             yield sse(final)
         yield "data: [DONE]\n\n"
+
+
+def choice_configs(config: DecodeConfig, n: int) -> list[DecodeConfig]:
+    """The settings of each of a request's ``n`` choices: its own, with the seed moved on by
+    the choice's index where one is set (the choices of a sampled request differ, and are
+    reproducible)."""
+    seed = config.sampling.seed
+    if n == 1 or seed is None:
+        return [config] * n
+    return [
+        config.with_updates(sampling=replace(config.sampling, seed=(seed + i) % (MAX_SEED + 1)))
+        for i in range(n)
+    ]
 
 
 class JobStreamingResponse(StreamingResponse):

@@ -40,6 +40,8 @@ GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
+MAX_CHOICES = 16
+"""The most choices (``n``) a request may ask for: they are decoded one after another."""
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits on the alternatives of a token's logprobs
 COMPLETION_LOGPROBS = 5
 METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
@@ -365,8 +367,8 @@ class _Request(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for the first standard field set to something not implemented."""
-        if self.n not in (None, 1):
-            return "n", "only n = 1 is supported"
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be in [1, {MAX_CHOICES}] (the choices are decoded one by one)"
         if self.store:
             return "store", "store: this server keeps no completions (send false or leave it out)"
         return None

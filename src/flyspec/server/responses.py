@@ -31,18 +31,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def job_usage(job) -> dict[str, Any]:
-    """The usage of a finished :class:`~flyspec.server.scheduler.Job`; with a prediction,
+def jobs_usage(jobs: Sequence) -> dict[str, Any]:
+    """The usage of the finished :class:`~flyspec.server.scheduler.Job` s of one request (its
+    choices, one after another: the prompt counted once); with a prediction,
     ``completion_tokens_details`` says how many of the tokens drafted from it were kept
     (``accepted_prediction_tokens``) and how many were not (``rejected_prediction_tokens``)."""
-    result: dict[str, Any] = usage(len(job.prompt_ids), job.completion_tokens)
-    if job.prediction_ids is not None:
+    first = jobs[0]
+    result: dict[str, Any] = usage(len(first.prompt_ids), sum(j.completion_tokens for j in jobs))
+    if first.prediction_ids is not None:
         result["completion_tokens_details"] = {
             # A stop string may cut the text inside a round whose tokens were all kept.
-            "accepted_prediction_tokens": min(
-                job.stats.accepted_prediction_tokens, job.completion_tokens
+            "accepted_prediction_tokens": sum(
+                min(j.stats.accepted_prediction_tokens, j.completion_tokens) for j in jobs
             ),
-            "rejected_prediction_tokens": job.stats.rejected_prediction_tokens,
+            "rejected_prediction_tokens": sum(j.stats.rejected_prediction_tokens for j in jobs),
         }
     return result
 
@@ -68,31 +70,41 @@ def speculative(mode: str, stats: RequestStats, *, timed_out: bool = False) -> d
     return result
 
 
+def choice_body(
+    *,
+    chat: bool,
+    index: int,
+    text: str,
+    finish_reason: FinishReason,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One finished choice of a ``chat.completion`` (``chat``) or ``text_completion``."""
+    choice: dict[str, Any] = {"index": index}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
+    return choice
+
+
 def response_body(
     *,
     chat: bool,
     request_id: str,
     created: int,
     model: str,
-    text: str,
-    finish_reason: FinishReason,
+    choices: list[dict[str, Any]],
     usage_: dict[str, int],
     speculative_: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A finished ``chat.completion`` (``chat``) or ``text_completion``."""
-    choice: dict[str, Any] = {"index": 0}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice.update(logprobs=logprobs, finish_reason=finish_reason)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_,
         "speculative": speculative_,
     }
@@ -154,9 +166,10 @@ def completion_chunk(
     text: str,
     finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    """One streamed ``text_completion`` chunk (of choice ``index``)."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "text_completion",
@@ -174,9 +187,10 @@ def chat_chunk(
     delta: dict[str, str],
     finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed ``chat.completion.chunk``."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    """One streamed ``chat.completion.chunk`` (of choice ``index``)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
