@@ -550,6 +550,16 @@ def test_n_choices_are_decoded_one_after_another_each_with_its_seed(oai, tiny_en
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_echo_puts_the_prompt_before_each_choice(client):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    echoed = client.post("/v1/completions", json={**body, "echo": True, "n": 2}).json()
+    assert [c["text"] for c in echoed["choices"]] == [PROMPT + plain] * 2
+    with client.stream("POST", "/v1/completions", json={**body, "echo": True, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == PROMPT + plain
+
+
 def fim_engine() -> Engine:
     """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens."""
     tokenizer = make_tiny_tokenizer(VOCAB - 3)

@@ -119,7 +119,7 @@ class GenerationHandler:
             responses.choice_body(
                 chat=chat,
                 index=index,
-                text=answer.text,
+                text=answer.text if chat else prepared.body.echoed + answer.text,
                 finish_reason=job.finish_reason or "length",
                 logprobs=self._logprobs(job, answer.records, chat=chat),
             )
@@ -321,6 +321,9 @@ class GenerationHandler:
             if chat:
                 delta = {"role": "assistant", "content": ""}
                 yield sse(responses.chat_chunk(**common, delta=delta, index=index))
+            elif prepared.body.echoed:
+                echoed = prepared.body.echoed
+                yield sse(responses.completion_chunk(**common, text=echoed, index=index))
             offset = 0
             async for piece in job.pieces():
                 logprobs = self._logprobs(job, piece.records, chat=chat, text_offset=offset)

@@ -411,12 +411,17 @@ class CompletionRequest(_Request):
             raise ValueError("prompt must be a string or a list of exactly one string")
         return value
 
+    @property
+    def echoed(self) -> str:
+        """The text that comes before each choice's answer: the prompt with ``echo``."""
+        return self.prompt if self.echo else ""
+
     def unsupported(self) -> tuple[str, str] | None:
         found = super().unsupported()
         if found:
             return found
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported (the prompt's are not computed)"
         if self.logprobs is not None and not 0 <= self.logprobs <= COMPLETION_LOGPROBS:
             return "logprobs", f"logprobs must be in [0, {COMPLETION_LOGPROBS}] (the alternatives)"
         if self.best_of not in (None, 1):
