@@ -139,8 +139,7 @@ class SpeculativeDecoder:
         """
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise FlyspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        request = self._start(prompt_ids, config, stats, drafter, prediction)
-        request.logprobs = logprobs
+        request = self._start(prompt_ids, config, stats, drafter, prediction, logprobs)
         generator = _generator(self.target.device, config)
         try:
             if request.drafter is None and config.sampling.greedy and logprobs is None:
@@ -214,6 +213,7 @@ class SpeculativeDecoder:
         stats: RequestStats | None,
         drafter: Drafter | None,
         prediction: Sequence[int] | None,
+        logprobs: int | None,
     ) -> Request:
         """Check the request, make its drafter, prefill the prompt (all but its last token:
         each round feeds the last committed token together with the draft block) and, with
@@ -269,6 +269,7 @@ class SpeculativeDecoder:
         return Request(
             tokens=tokens,
             penalties=penalties,
+            logprobs=logprobs,
             config=config,
             stats=stats,
             drafter=drafter,

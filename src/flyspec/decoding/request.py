@@ -131,12 +131,11 @@ class Request:
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
     after), the list of ``tokens``, which holds them on the device too. ``penalties``: what
     changes the target's distribution before verification reads it (None: nothing).
-    :attr:`logprobs`: each emitted token's log-probability is read, with that many
-    alternatives (None, the default: none are read). Each
-    round is timed here: drafting in :meth:`draft`, the target's forward and the
-    verification from then until :meth:`commit`. ``drafter`` is None for the target alone;
-    ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto`` is ``-k
-    auto``'s controller, None for a fixed K.
+    ``logprobs``: each emitted token's log-probability is read, with that many alternatives
+    (None: none are read). Each round is timed here: drafting in :meth:`draft`, the target's
+    forward and the verification from then until :meth:`commit`. ``drafter`` is None for the
+    target alone; ``draft_lm`` the built-in drafter's draft model, where it drafts; ``auto``
+    is ``-k auto``'s controller, None for a fixed K.
 
     With ``-k auto`` the draft model reads only what it drafts after: before a block it
     drafts, it first catches up on the context it skipped (:func:`catch_up`), timed apart from
@@ -148,6 +147,7 @@ class Request:
         *,
         tokens: DeviceTokens,
         penalties: RequestPenalties | None = None,
+        logprobs: int | None = None,
         config: DecodeConfig,
         stats: RequestStats,
         drafter: Drafter | None,
@@ -159,7 +159,7 @@ class Request:
         self.tokens = tokens
         self.context = tokens.ids
         self.penalties = penalties
-        self.logprobs: int | None = None
+        self.logprobs = logprobs
         self.config = config
         self.stats = stats
         self.drafter = drafter
@@ -320,7 +320,8 @@ class Request:
             verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
         )
         tokens = draft.token_ids[: verdict.num_kept] + [verdict.next_token]
-        logprobs, correction_logprob = self._logprobs(tokens, verdict, target_logits)
+        on_device = verdict.tokens_on_device()  # the same tokens, where the device chose them
+        logprobs, correction_logprob = self._logprobs(tokens, on_device, verdict, target_logits)
         origins: list[Origin] = [
             "loose" if i in verdict.loose_positions else "exact" for i in range(verdict.num_kept)
         ] + ["bonus" if verdict.is_bonus else "correction"]
@@ -360,7 +361,6 @@ class Request:
             )
         # The context goes on with the emitted tokens, and the held ones after them.
         length = len(tokens) if held else emitted
-        on_device = verdict.tokens_on_device()
         self.tokens.extend(tokens[:length], None if on_device is None else on_device[:length])
         triples = zip(tokens[:emitted], origins[:emitted], logprobs[:emitted], strict=True)
         events += [
@@ -371,18 +371,22 @@ class Request:
         return finished
 
     def _logprobs(
-        self, tokens: list[int], verdict: Verdict, target_logits: torch.Tensor | None
+        self,
+        tokens: list[int],
+        on_device: torch.Tensor | None,
+        verdict: Verdict,
+        target_logits: torch.Tensor | None,
     ) -> tuple[list[TokenLogprob | None], TokenLogprob | None]:
         """The round's tokens' log-probabilities (token ``i`` at row ``i`` of the target's
-        logits, as verification read them) and a deferral's correction's; Nones where the
-        request asked for none."""
+        logits, as verification read them; ``on_device``: the tokens on the device, where it
+        holds them) and a deferral's correction's; Nones where the request asked for none."""
         if self.logprobs is None or target_logits is None:
             return [None] * len(tokens), None
         logits = target_logits
         if not self.config.sampling.greedy:
             logits = sampling_logits(target_logits, self.config.sampling)
         rows = logits[: len(tokens)]
-        chosen = verdict.tokens_on_device()  # the device's tokens where it chose them
+        chosen = on_device
         if chosen is None:
             chosen = torch.tensor(tokens, device=logits.device)
         deferral = verdict.deferral

@@ -253,12 +253,15 @@ def loosening_candidates(
     *,
     fly: FlyConfig,
     draft_confidence: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rejected positions that FLy keeps if their window holds: ``allowed`` (the target could
     emit the draft token at all), past the entropy gate, above the plausibility floor, and
     where the draft was unsure enough (:func:`draft_unsure`).
-    ``bool[T], [T, V], long[T], bool[T], float[T] | None -> bool[T]``."""
-    entropy = target_entropy(target_logits, fly.entropy)
+    ``bool[T], [T, V], long[T], bool[T], float[T] | None -> bool[T]``. ``entropy``
+    ``float[T]``: the gate's entropy of the rows where the caller has it already."""
+    if entropy is None:
+        entropy = target_entropy(target_logits, fly.entropy)
     floor = plausible(target_logits, draft_tokens, min_ratio=fly.min_ratio, max_rank=fly.max_rank)
     doubt = draft_unsure(
         draft_confidence,
@@ -475,6 +478,7 @@ def verify_greedy(
     features = None
     if fly is not None:
         block_logits = target_logits[:num_drafted]
+        features = loose_token_features(block_logits, draft_tokens, entropy=fly.entropy)
         possible = block_logits.gather(1, draft_tokens[:, None]).squeeze(1) > -math.inf
         candidates = loosening_candidates(
             accepted,
@@ -483,10 +487,10 @@ def verify_greedy(
             possible,
             fly=fly,
             draft_confidence=draft_confidence,
+            entropy=features["entropy"],
         )
         if in_block is not None:
             candidates &= in_block
-        features = loose_token_features(block_logits, draft_tokens, entropy=fly.entropy)
         if draft_confidence is not None:
             features["draft_confidence"] = draft_confidence.to(block_logits.device)
     return _verdict(

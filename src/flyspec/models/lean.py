@@ -251,8 +251,11 @@ class LeanForward:
 
     def _logits(self, hidden: torch.Tensor, num_logits: int) -> torch.Tensor:
         """``[num_logits, V]`` from the last layer's ``hidden`` states ``[1, n, D]``."""
-        hidden = self.model.model.norm(hidden[:, -num_logits:])
-        return self.model.get_output_embeddings()(hidden)[0]
+        return self._head(hidden[:, -num_logits:])
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, V]``: the final norm and the head over ``hidden`` ``[1, n, D]``."""
+        return self.model.get_output_embeddings()(self.model.model.norm(hidden))[0]
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, V]`` of the new tokens ``input_ids`` ``long[n]`` at ``positions``
@@ -262,8 +265,16 @@ class LeanForward:
         hidden = self.model.model.embed_tokens(input_ids)[None]  # [1, n, D]
         buffered = torch.arange(self.keys[0].shape[2], device=positions.device)
         visible = buffered <= positions[:, None]  # [n, capacity]
-        hidden = self._layers(hidden, positions, visible, None)
-        return self.model.get_output_embeddings()(self.model.model.norm(hidden))[0]
+        return self._head(self._layers(hidden, positions, visible, None))
+
+    def _compiled_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, n: int, num_logits: int
+    ) -> torch.Tensor:
+        """The compiled step's logits of the last ``num_logits`` of the ``n`` new tokens (of
+        ``input_ids``, padded past them), copied out of a CUDA graph's output, which the
+        graph's next replay overwrites."""
+        logits = self._compiled_step(input_ids, positions)[n - num_logits : n]
+        return logits.clone() if self._graph_outputs else logits
 
     def _compiled_forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """:meth:`forward` through the compiled :meth:`_step`, at the padded size: the
@@ -288,9 +299,7 @@ class LeanForward:
         kind = "token" if size == 1 else "block"
         try:
             if kind in self.compile_checks:
-                logits = self._compiled_step(padded, positions)[n - num_logits : n]
-                if self._graph_outputs:  # the next replay overwrites them
-                    logits = logits.clone()
+                logits = self._compiled_logits(padded, positions, n, num_logits)
             else:
                 logits = self._first_compiled(kind, padded, positions, n, num_logits)
         except Exception as error:  # noqa: BLE001 - any failure to compile runs eagerly
@@ -327,9 +336,7 @@ class LeanForward:
         eager = self._step(input_ids, positions)[n - num_logits : n]
         # The compiled step writes the same positions again: the cache holds their values.
         with one_model_compiling():
-            logits = self._compiled_step(input_ids, positions)[n - num_logits : n]
-        if self._graph_outputs:
-            logits = logits.clone()
+            logits = self._compiled_logits(input_ids, positions, n, num_logits)
         scale = eager.abs().max().clamp_min(torch.finfo(eager.dtype).tiny)
         difference = float((logits - eager).abs().max() / scale)
         self.compile_checks[kind] = difference
