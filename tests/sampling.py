@@ -10,11 +10,17 @@ from flyspec.config import DecodeConfig, SamplingConfig
 
 
 def token_histogram(
-    decoder, prompt: list[int], sampling: SamplingConfig, *, trials: int, position: int = 0
+    decoder,
+    prompt: list[int],
+    sampling: SamplingConfig,
+    *,
+    trials: int,
+    position: int = 0,
+    **options,
 ) -> torch.Tensor:
     """The share of ``trials`` requests (exact speculative sampling, K=3, a draft sampled at
     temperature 1; seeds 0..trials-1) whose token at ``position`` is each token:
-    ``float[V]``."""
+    ``float[V]``. ``options`` go to the decoder's ``stream`` (a grammar)."""
     histogram = torch.zeros(decoder.vocab_size)
     for seed in range(trials):
         config = DecodeConfig(
@@ -24,7 +30,7 @@ def token_histogram(
             draft_temperature=1.0,
             sampling=replace(sampling, seed=seed),
         )
-        tokens = [event.token for event in decoder.stream(prompt, config)]
+        tokens = [event.token for event in decoder.stream(prompt, config, **options)]
         histogram[tokens[position]] += 1
     return histogram / trials
 

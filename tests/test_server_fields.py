@@ -66,6 +66,7 @@ ANSWERED = {
     "top_logprobs": 0,  # with logprobs left out: nothing asked
     "echo": True,
     "suffix": "",
+    "response_format": {"type": "json_object"},
 }
 # A value for each field the table refuses: a 400 naming the field.
 REFUSED = {
@@ -77,7 +78,7 @@ REFUSED = {
     "top_logprobs": 21,
     "echo": True,  # with logprobs (REFUSED_WITH): the prompt's are not computed
     "suffix": "return x",
-    "response_format": {"type": "json_object"},
+    "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": []}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
     "functions": [{"name": "f", "parameters": {}}],

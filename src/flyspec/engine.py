@@ -13,6 +13,7 @@ import torch
 
 from flyspec.config import BACKENDS, DecodeConfig, KernelConfig, LlamaCppConfig
 from flyspec.decoding.drafters import Drafter
+from flyspec.decoding.grammar import Grammar, GrammarTokenizer, json_schema_grammar
 from flyspec.decoding.logprobs import TokenLogprob
 from flyspec.decoding.loop import Origin, SpeculativeDecoder, TokenEvent
 from flyspec.decoding.stats import RequestStats
@@ -145,6 +146,7 @@ class Engine:
             }
         if self.decoder.draft is not None:
             self.kernels["draft_forward"] = self.decoder.draft.forward_path
+        self._grammar_tokenizer: GrammarTokenizer | None = None
 
     def keep_forward_costs(self, settings: dict) -> None:
         """Keep ``-k auto``'s measured forward costs under ``$FLYSPEC_HOME`` for these models,
@@ -177,6 +179,18 @@ class Engine:
         """Whether a draft model is loaded, on either backend (the ``model`` and ``mla``
         drafters need one)."""
         return self.decoder.draft is not None
+
+    def json_grammar(self, schema: dict | None = None) -> Grammar:
+        """The grammar of the answers ``schema`` (a JSON schema) allows, for :meth:`stream`'s
+        ``grammar``; None: any JSON object. :class:`FlyspecError` naming the problem for a
+        schema the grammar engine cannot use."""
+        if self._grammar_tokenizer is None:  # every token's bytes, read once
+            self._grammar_tokenizer = GrammarTokenizer(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                eos_token_ids=self.decoder.eos_token_ids,
+            )
+        return json_schema_grammar(schema, self._grammar_tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -358,6 +372,7 @@ class Engine:
         drafter: Drafter | None = None,
         prediction: Sequence[int] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[TextChunk]:
         """Yield text as tokens are committed; stops at a stop string (excluded), EOS or
         ``config.max_new_tokens``.
@@ -370,7 +385,8 @@ class Engine:
         ``prediction``: token ids the answer is expected to largely repeat
         (:meth:`encode_prediction`), drafted from first. ``logprobs``: each chunk of a token
         carries its log-probability, with that many alternatives
-        (:meth:`SpeculativeDecoder.stream`).
+        (:meth:`SpeculativeDecoder.stream`). ``grammar``: the answer follows it
+        (:meth:`json_grammar`).
         """
         if prediction is not None:
             self.check_prediction(prompt_ids, prediction)
@@ -389,6 +405,7 @@ class Engine:
             drafter=drafter,
             prediction=prediction,
             logprobs=logprobs,
+            grammar=grammar,
         )
         last: TokenEvent | None = None
         try:
@@ -418,8 +435,10 @@ class Engine:
         drafter: Drafter | None = None,
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
-        """Run one request to the end (``drafter`` and ``logprobs`` as in :meth:`stream`;
+        """Run one request to the end (``drafter``, ``logprobs`` and ``grammar`` as in
+        :meth:`stream`;
         ``prediction``: the text, or token ids, the answer is expected to largely repeat)."""
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt
         if isinstance(prediction, str):
@@ -436,6 +455,7 @@ class Engine:
             drafter=drafter,
             prediction=prediction,
             logprobs=logprobs,
+            grammar=grammar,
         )
         for chunk in chunks:
             pieces.append(chunk.text)

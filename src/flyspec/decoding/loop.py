@@ -16,6 +16,7 @@ from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
+from flyspec.decoding.grammar import Grammar, RequestGrammar
 from flyspec.decoding.logprobs import MAX_TOP_LOGPROBS
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
@@ -122,6 +123,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         prediction: Sequence[int] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[TokenEvent]:
         """Yield committed tokens until ``max_new_tokens`` or EOS; never more.
 
@@ -136,13 +138,17 @@ class SpeculativeDecoder:
         ``logprobs``: each event carries its token's log-probability under the distribution
         verification read (:mod:`flyspec.decoding.logprobs`), with that many of the likeliest
         tokens there (0 to 20; None: none are computed, the default: one read more a round).
+        ``grammar``: the answer follows it (:mod:`flyspec.decoding.grammar`): the target's
+        and the draft model's distributions are masked by it and blocks are cut where they
+        break it; the request ends (an end token) only where the grammar is complete.
         """
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise FlyspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        request = self._start(prompt_ids, config, stats, drafter, prediction, logprobs)
+        request = self._start(prompt_ids, config, stats, drafter, prediction, logprobs, grammar)
         generator = _generator(self.target.device, config)
         try:
-            if request.drafter is None and config.sampling.greedy and logprobs is None:
+            alone = request.drafter is None and request.grammar is None
+            if alone and config.sampling.greedy and logprobs is None:
                 yield from self._run_ahead(request)
                 return
             while (room := request.room()) > 0:
@@ -151,8 +157,7 @@ class SpeculativeDecoder:
                 if draft.unread and not config.sampling.greedy:
                     draft = self._read(draft)
                 target_logits = self._score(request.context, draft)  # one forward: [k + 1, V]
-                if request.penalties is not None:
-                    target_logits = request.penalties.apply(target_logits, block=draft.tokens)
+                target_logits = request.constrain(target_logits, draft)
                 verdict = self._verify(draft, target_logits, config, generator)
                 if draft.unread:  # read with the verdict: settled without another read
                     self.target.record_steps(verdict.draft_ids)
@@ -214,6 +219,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None,
         prediction: Sequence[int] | None,
         logprobs: int | None,
+        grammar: Grammar | None,
     ) -> Request:
         """Check the request, make its drafter, prefill the prompt (all but its last token:
         each round feeds the last committed token together with the draft block) and, with
@@ -240,11 +246,14 @@ class SpeculativeDecoder:
                 prompt_length=len(prompt_ids),
                 vocab_size=self.vocab_size,
             )
+        matcher = None
+        if grammar is not None:
+            matcher = RequestGrammar(grammar, tokens=tokens, prompt_length=len(prompt_ids))
         # The built-in drafter's draft model, where it drafts: -k auto reads its cost.
         draft_lm = self.draft if drafter is None and config.uses_draft_model else None
         given = drafter is not None
         if drafter is None:
-            drafter = self._make_drafter(config, tokens, prediction, penalties)
+            drafter = self._make_drafter(config, tokens, prediction, penalties, matcher)
         if not self.reuse_prefix:
             self.target.reset()
         for lm in (self.target, self.draft if config.uses_draft_model else None):
@@ -269,6 +278,7 @@ class SpeculativeDecoder:
         return Request(
             tokens=tokens,
             penalties=penalties,
+            grammar=matcher,
             logprobs=logprobs,
             config=config,
             stats=stats,
@@ -285,10 +295,11 @@ class SpeculativeDecoder:
         tokens: DeviceTokens,
         prediction: Sequence[int] | None,
         penalties: RequestPenalties | None,
+        grammar: RequestGrammar | None,
     ) -> Drafter | None:
         """The built-in drafter ``config`` names (None for the target alone) for a request
         whose context, the prompt so far, is ``tokens``, drafting from ``prediction`` first
-        where one is given, its model under the request's ``penalties``."""
+        where one is given, its model under the request's ``penalties`` and ``grammar``."""
         generator = None
         if self.draft is not None and config.draft_temperature > 0:
             generator = _generator(self.draft.device, config, offset=1)
@@ -301,6 +312,7 @@ class SpeculativeDecoder:
             prompt_length=len(tokens),
             context=tokens,
             penalties=penalties,
+            grammar=grammar,
         )
 
     def _end_tokens(self, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from flyspec.config import DecodeConfig
 from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
+from flyspec.decoding.grammar import RequestGrammar
 from flyspec.decoding.logprobs import TokenLogprob, token_logprobs
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
@@ -129,8 +130,9 @@ class Request:
     """One request's state between rounds and the steps the loop calls on it.
 
     ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
-    after), the list of ``tokens``, which holds them on the device too. ``penalties``: what
-    changes the target's distribution before verification reads it (None: nothing).
+    after), the list of ``tokens``, which holds them on the device too. ``penalties`` and
+    ``grammar``: what changes the target's distribution before verification reads it (None:
+    nothing; :meth:`constrain`); a block is also cut where the grammar forbids its token.
     ``logprobs``: each emitted token's log-probability is read, with that many alternatives
     (None: none are read). Each round is timed here: drafting in :meth:`draft`, the target's
     forward and the verification from then until :meth:`commit`. ``drafter`` is None for the
@@ -147,6 +149,7 @@ class Request:
         *,
         tokens: DeviceTokens,
         penalties: RequestPenalties | None = None,
+        grammar: RequestGrammar | None = None,
         logprobs: int | None = None,
         config: DecodeConfig,
         stats: RequestStats,
@@ -159,6 +162,7 @@ class Request:
         self.tokens = tokens
         self.context = tokens.ids
         self.penalties = penalties
+        self.grammar = grammar
         self.logprobs = logprobs
         self.config = config
         self.stats = stats
@@ -203,12 +207,24 @@ class Request:
         return k
 
     def draft(self, k: int) -> Draft:
-        """Up to ``k`` draft tokens after the context (none for ``k == 0``), timed."""
+        """Up to ``k`` draft tokens after the context (none for ``k == 0``), cut before the
+        first the grammar forbids, timed."""
         started = time.perf_counter()
         draft = self.drafter.propose(self.context, k) if k > 0 else Draft.empty()
+        if self.grammar is not None and len(draft):
+            draft = self.grammar.cut(draft)
         self._drafted_at = time.perf_counter()
         self._draft_seconds = self._drafted_at - started
         return draft
+
+    def constrain(self, target_logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """The target's ``[K+1, V]`` logits over ``draft`` as verification reads them:
+        penalised, then masked by the grammar (row ``i`` after draft tokens ``0..i-1``)."""
+        if self.penalties is not None:
+            target_logits = self.penalties.apply(target_logits, block=draft.tokens)
+        if self.grammar is not None:
+            target_logits = self.grammar.apply(target_logits, block=draft.token_ids)
+        return target_logits
 
     def commit(
         self, draft: Draft, verdict: Verdict, target_logits: torch.Tensor | None

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from flyspec.config import MAX_SEED, DecodeConfig
+from flyspec.decoding.grammar import Grammar
 from flyspec.errors import FlyspecError
 from flyspec.server import protocol, responses
 from flyspec.server.errors import (
@@ -41,13 +42,15 @@ from flyspec.server.scheduler import GenerationQueue, Job, Piece, QueueFullError
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checked request: its model, prompt token ids and decoding settings, and the token ids
-    of its prediction (Predicted Outputs) when it sent one."""
+    """A checked request: its model, prompt token ids and decoding settings, the token ids
+    of its prediction (Predicted Outputs) when it sent one, and the grammar its answer
+    follows when it asked for JSON (``response_format``)."""
 
     body: CompletionRequest | ChatCompletionRequest
     prompt_ids: list[int]
     config: DecodeConfig
     prediction_ids: list[int] | None = None
+    grammar: Grammar | None = None
 
 
 class GenerationHandler:
@@ -151,6 +154,7 @@ class GenerationHandler:
                 timeout=self.request_timeout,
                 prediction_ids=prepared.prediction_ids,
                 logprobs=prepared.body.requested_logprobs,
+                grammar=prepared.grammar,
             )
         except QueueFullError:
             raise APIError(
@@ -262,8 +266,27 @@ class GenerationHandler:
                 param="drafter",
             )
         return Prepared(
-            body=body, prompt_ids=prompt_ids, config=config, prediction_ids=prediction_ids
+            body=body,
+            prompt_ids=prompt_ids,
+            config=config,
+            prediction_ids=prediction_ids,
+            grammar=self._grammar(body),
         )
+
+    def _grammar(self, body: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
+        """The grammar of ``response_format``'s JSON (APIError 400 naming it for a schema the
+        grammar engine cannot use)."""
+        if body.response_format is None:
+            return None
+        try:
+            return self.engine.json_grammar(body.response_format.schema)
+        except FlyspecError as error:
+            raise APIError(
+                400,
+                clip(f"response_format: {error}", MESSAGE_LIMIT),
+                param="response_format",
+                code="invalid_json_schema",
+            ) from None
 
     def _encode(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool) -> list[int]:
         try:

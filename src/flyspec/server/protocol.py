@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -50,7 +52,6 @@ METADATA_VALUE_LIMIT = 512
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 """OpenAI's service tiers: each is accepted and served as ``default``, the only one here."""
 NOT_YET = (
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -61,6 +62,7 @@ NOT_YET = (
     "verbosity",
 )
 """Chat fields refused with 400 whatever their value (docs/server.md)."""
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
 MESSAGE_LIMIT = 300  # characters of an error message built around a client's value
 
@@ -260,6 +262,55 @@ def text_of_parts(value: Any, *, what: str) -> str:
     raise ValueError(f"{what} must be a string or a list of text parts")
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``response_format`` asking for JSON: the answer is a value ``schema`` allows (None:
+    any JSON object, ``json_object``), named ``name`` (``json_schema``'s)."""
+
+    schema: dict[str, Any] | None
+    name: str | None = None
+
+
+def response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's ``response_format``, checked (ValueError naming what is wrong): ``text`` is
+    None, ``json_object`` and ``json_schema`` a :class:`ResponseFormat`. ``strict`` is
+    accepted either way: the grammar holds the answer to the schema in both."""
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise ValueError(
+            'response_format must be {"type": ...} with the type "text", "json_object" or '
+            '"json_schema"'
+        )
+    kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ValueError(
+            f"response_format of type {kind!r} has unknown field(s): {', '.join(unknown)}"
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(schema=None)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError('response_format of type "json_schema" needs a json_schema object')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ValueError(f"response_format.json_schema has unknown field(s): {', '.join(unknown)}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise ValueError("response_format.json_schema.name must be 1 to 64 letters, digits, _ or -")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON object (a schema)")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise ValueError("response_format.json_schema.strict must be true or false")
+    if not isinstance(spec.get("description", ""), str):
+        raise ValueError("response_format.json_schema.description must be a string")
+    return ResponseFormat(schema=schema, name=name)
+
+
 class _Request(BaseModel):
     """Fields shared by the completion and chat endpoints."""
 
@@ -280,6 +331,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None  # extension, as vLLM's
     stream_options: dict[str, Any] | None = None
     prediction: Any = None
+    response_format: Any = None
     # Accepted, with no effect on the answer: identifiers and options of OpenAI's platform.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -350,6 +402,11 @@ class _Request(BaseModel):
         if not text:
             raise ValueError("prediction.content is empty: send the text the answer should repeat")
         return text
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> ResponseFormat | None:
+        return None if value is None else response_format(value)
 
     @field_validator("k", mode="before")
     @classmethod
@@ -465,7 +522,6 @@ class ChatCompletionRequest(_Request):
     modalities: list[str] | None = None
     parallel_tool_calls: bool | None = None
     # Refused unless left out (docs/server.md, "What a request may send").
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flyspec.config import DecodeConfig
+from flyspec.decoding.grammar import Grammar
 from flyspec.decoding.logprobs import TokenLogprob
 from flyspec.decoding.loop import Origin
 from flyspec.decoding.stats import RequestStats
@@ -79,9 +80,11 @@ class Job:
         deadline: float,
         prediction_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.logprobs = logprobs
+        self.grammar = grammar
         self.prediction_ids = None if prediction_ids is None else list(prediction_ids)
         self.config = config
         self.deadline = deadline
@@ -232,6 +235,7 @@ class GenerationQueue:
         timeout: float,
         prediction_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Job:
         """Put a job in line, or raise :class:`QueueFullError` when the line is full."""
         if self._loop is None or self._wakeup is None:
@@ -244,6 +248,7 @@ class GenerationQueue:
             deadline=time.monotonic() + timeout,
             prediction_ids=prediction_ids,
             logprobs=logprobs,
+            grammar=grammar,
         )
         job._deadline_timer = self._loop.call_later(timeout, self._on_deadline, job)
         self._waiting.append(job)
@@ -312,6 +317,7 @@ class GenerationQueue:
             should_stop=job._should_stop,
             prediction=job.prediction_ids,
             logprobs=job.logprobs,
+            grammar=job.grammar,
         )
         records: list[TokenRecord] = []  # of the tokens since the last piece handed over
         try:

@@ -5,6 +5,7 @@ the answer (Predicted Outputs, backed by one of the others); any object that fol
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from flyspec.decoding.drafters.prediction import PredictionDrafter
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import DeviceTokens, LanguageModel
+
+if TYPE_CHECKING:
+    from flyspec.decoding.grammar import RequestGrammar
 
 __all__ = [
     "Draft",
@@ -40,6 +44,7 @@ def make_drafter(
     prompt_length: int = 0,
     context: DeviceTokens | None = None,
     penalties: RequestPenalties | None = None,
+    grammar: RequestGrammar | None = None,
 ) -> Drafter | None:
     """The built-in drafter ``config.drafter`` names, with ``config``'s settings (None in mode
     ``target``). ``draft_lm``: the draft model, which ``model`` and ``mla`` need;
@@ -47,8 +52,9 @@ def make_drafter(
     the expected answer, after ``prompt_length`` prompt tokens), blocks come from it first,
     then from prompt lookup, then from the draft model where ``config.drafter`` uses one.
     ``context``: the request's context on the device, which blocks from the context or the
-    prediction are cut from (none: they are copied from the host). ``penalties``: the
-    request's, which the draft model drafts under as the target is verified under them."""
+    prediction are cut from (none: they are copied from the host). ``penalties`` and
+    ``grammar``: the request's, which the draft model drafts under as the target is verified
+    under them."""
     if config.mode == "target":
         return None
     if prediction is not None:
@@ -60,6 +66,7 @@ def make_drafter(
                 end_tokens=end_tokens,
                 generator=generator,
                 penalties=penalties,
+                grammar=grammar,
             )
         return PredictionDrafter(
             prediction,
@@ -83,6 +90,7 @@ def make_drafter(
             min_confidence=config.draft_confidence,
             end_tokens=end_tokens,
             penalties=penalties,
+            grammar=grammar,
         )
     return ModelDrafter(
         draft_lm,
@@ -91,4 +99,5 @@ def make_drafter(
         min_confidence=config.draft_confidence,
         end_tokens=end_tokens,
         penalties=penalties,
+        grammar=grammar,
     )

@@ -10,6 +10,7 @@ an end token, and with a confidence threshold where the plain drafter's would.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,10 +20,14 @@ from flyspec.decoding.drafters.ngram import find_ngram_continuation
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.models.cache import LanguageModel
 
+if TYPE_CHECKING:
+    from flyspec.decoding.grammar import RequestGrammar
+
 
 class MlaDrafter:
     """Greedy model drafting that verifies prompt-lookup proposals in its own forwards (under
-    the request's ``penalties`` where given, as the model drafter)."""
+    the request's ``penalties`` and ``grammar`` where given, as the model drafter; a proposal
+    is cut before the first token the grammar forbids)."""
 
     def __init__(
         self,
@@ -33,9 +38,11 @@ class MlaDrafter:
         min_confidence: float = 0.0,
         end_tokens: Collection[int] = (),
         penalties: RequestPenalties | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.lm = lm
         self.penalties = penalties
+        self.grammar = grammar
         self.end_tokens = frozenset(end_tokens)
         self.proposals = proposals
         self.max_ngram = max_ngram
@@ -49,6 +56,8 @@ class MlaDrafter:
             # Room for the proposal plus the draft model's own token.
             room = min(self.proposals, k - len(tokens) - 1)
             proposal = find_ngram_continuation(sequence, k=room, max_ngram=self.max_ngram)
+            if self.grammar is not None:
+                proposal = proposal[: self.grammar.allowed_prefix(proposal, after=tokens)]
             logits = self.lm.logits(sequence + proposal, len(proposal) + 1)  # [P+1, V]
             if self.penalties is not None:  # the block so far, and the proposal before each row
                 logits = self.penalties.apply(
@@ -56,6 +65,8 @@ class MlaDrafter:
                     after=torch.tensor(tokens, dtype=torch.long),
                     block=torch.tensor(proposal, dtype=torch.long),
                 )
+            if self.grammar is not None:
+                logits = self.grammar.apply(logits, after=tokens, block=proposal)
             greedy = logits.argmax(dim=-1)
             matches = 0
             while matches < len(proposal) and proposal[matches] == int(greedy[matches]):

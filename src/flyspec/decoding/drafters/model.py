@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.verify import sampling_probs
 from flyspec.models.cache import LanguageModel
 
+if TYPE_CHECKING:
+    from flyspec.decoding.grammar import RequestGrammar
+
 
 class ModelDrafter:
     """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
@@ -24,7 +28,8 @@ class ModelDrafter:
     The block ends after an ``end_tokens`` token (EOS), and with ``min_confidence > 0`` after
     the first token the model was unsure of. With a request's ``penalties``, each step
     chooses from its logits penalised as the target's are, the block's earlier tokens
-    counted."""
+    counted; with its ``grammar``, from the tokens the grammar allows after them (each token
+    is then read as it is chosen, which the next step's mask depends on)."""
 
     def __init__(
         self,
@@ -35,9 +40,11 @@ class ModelDrafter:
         min_confidence: float = 0.0,
         end_tokens: Collection[int] = (),
         penalties: RequestPenalties | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.lm = lm
         self.penalties = penalties
+        self.grammar = grammar
         self.end_tokens = frozenset(end_tokens)
         self.sampling = SamplingConfig(temperature=temperature)
         self.generator = generator
@@ -56,22 +63,29 @@ class ModelDrafter:
         chosen: list[torch.Tensor] = []  # long[1] each, on the model's device
         probs: list[torch.Tensor] = []  # [V] each, where sampled
         rows: list[torch.Tensor] = []  # [V] each: the logits each token was chosen from
+        read: list[int] = []  # the chosen tokens' ids, read one by one under a grammar
         for index in range(k):
             if index:
                 logits = self.lm.step(chosen[-1])
             if self.penalties is not None:
                 drafted = torch.cat(chosen) if chosen else None
                 logits = self.penalties.apply(logits[None], after=drafted)[0]
+            if self.grammar is not None:
+                logits = self.grammar.apply(logits[None], after=read)[0]
             choice, step_probs = self._choose(logits)
             chosen.append(choice)
             rows.append(logits)
             if step_probs is not None:
                 probs.append(step_probs)
+            if self.grammar is not None:
+                read.append(int(choice))
+                if read[-1] in self.end_tokens:
+                    break
             if self.min_confidence > 0 and self._ends_block(logits, choice):
                 break
         chosen_tokens = torch.cat(chosen)  # long[n]
         confidence = token_confidence(torch.stack(rows), chosen_tokens)  # float[n]
-        if self.sampling.greedy and self.min_confidence <= 0:
+        if self.sampling.greedy and self.min_confidence <= 0 and self.grammar is None:
             # Unread: the decoder reads it with its verdict, cut after an end token there.
             return Draft(
                 tokens=chosen_tokens,

@@ -1,0 +1,176 @@
+"""Structured outputs through `flyspec serve`, driven by the official openai client on tiny
+random-weight models: ``response_format`` ``json_schema`` (what ``beta.chat.completions.parse``
+sends) and ``json_object``, on both endpoints, streamed and not, exact and FLy, and on the
+llama.cpp backend; schemas the grammar engine cannot use, and malformed formats, are refused
+naming ``response_format``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from flyspec.config import DecodeConfig
+from flyspec.engine import Engine
+from flyspec.server.app import create_app
+from tests.test_server import MODEL, VOCAB, running
+from tests.tiny import make_tiny_model, make_tiny_tokenizer
+
+# Whitespace between JSON tokens is bounded (decoding/grammar.py), so an answer of fixed
+# fields and enums ends within this budget even on a random model.
+BUDGET = 400
+
+
+class Verdict(BaseModel):
+    ok: bool
+    kind: Literal["x", "yy"]
+
+
+MESSAGES = [{"role": "user", "content": "answer in JSON"}]
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_engine) -> Iterator[openai.OpenAI]:
+    app = create_app(
+        tiny_engine,
+        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
+        model_name=MODEL,
+        queue_size=4,
+        request_timeout=120,
+    )
+    with running(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> Engine:
+    """A tiny pair whose draft differs from the target (FLy keeps some tokens loosely)."""
+    tokenizer = make_tiny_tokenizer(VOCAB)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    draft = make_tiny_model(vocab_size=VOCAB, seed=3, num_layers=1, **ids)
+    return Engine(target_model=target, draft_model=draft, tokenizer=tokenizer)
+
+
+MODES = {
+    "target": {"mode": "target"},
+    "spd": {"mode": "spd"},
+    "fly": {"mode": "fly", "theta": 0.0, "window": 0},
+    "fly, ngram": {"mode": "fly", "drafter": "ngram", "theta": 0.0, "window": 1},
+    "sampled": {"mode": "spd", "temperature": 1.0, "seed": 3},
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parse_returns_the_pydantic_object(oai, mode):
+    completion = oai.beta.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Verdict, extra_body=MODES[mode]
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Verdict)
+    assert Verdict.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_a_streamed_answer_under_a_schema_parses(oai):
+    schema = Verdict.model_json_schema()
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "verdict", "schema": schema, "strict": True},
+        },
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    Verdict.model_validate_json(text)
+
+
+def test_json_object_on_both_endpoints_gives_an_object(oai):
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=40,
+        response_format={"type": "json_object"},
+    )
+    completion = oai.completions.create(
+        model=MODEL, prompt="{", max_tokens=40, extra_body={"response_format": {"type": "json_object"}}
+    )
+    for text, reason in (
+        (chat.choices[0].message.content, chat.choices[0].finish_reason),
+        (completion.choices[0].text, completion.choices[0].finish_reason),
+    ):
+        assert text.lstrip().startswith("{")
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:  # cut by max_tokens, as OpenAI's
+            assert reason == "length"
+
+
+def test_an_answer_cut_by_max_tokens_says_length(oai):
+    completion = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": {}}},
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("response_format", "named"),
+    [
+        ({"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "frob"}}}, "frob"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "v", "schema": {"pattern": "(x"}}},
+            "unclosed",
+        ),
+        ({"type": "xml"}, "json_object"),
+        ({"type": "json_schema"}, "json_schema object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "name"),
+        ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "name"),
+        ({"type": "json_schema", "json_schema": {"name": "v", "schema": []}}, "JSON object"),
+        ({"type": "json_object", "schema": {}}, "unknown field"),
+    ],
+)
+def test_a_format_that_cannot_be_used_is_a_400_naming_it(oai, response_format, named):
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, response_format=response_format
+        )
+    error = raised.value.body
+    assert error["param"] == "response_format", error
+    assert named in error["message"], error
+
+
+def test_text_is_the_plain_answer(oai):
+    plain = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=1)
+    text = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, seed=1, response_format={"type": "text"}
+    )
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_the_llamacpp_backend_answers_under_a_schema(tiny_llamacpp_engine):
+    pytest.importorskip("llama_cpp")
+    app = create_app(
+        tiny_llamacpp_engine,
+        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
+        model_name=MODEL,
+        queue_size=4,
+        request_timeout=120,
+    )
+    with running(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for extra in ({"mode": "target"}, {"mode": "fly", "theta": 0.0, "window": 0}):
+            completion = client.beta.chat.completions.parse(
+                model=MODEL, messages=MESSAGES, response_format=Verdict, extra_body=extra
+            )
+            assert isinstance(completion.choices[0].message.parsed, Verdict)
