@@ -224,6 +224,7 @@ class ScriptedEngine:
         should_stop=None,
         prediction=None,
         logprobs=None,
+        grammar=None,
     ):
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
@@ -905,7 +906,15 @@ class ThreadRecordingEngine(ScriptedEngine):
     """A :class:`ScriptedEngine` that records the thread each generation runs on."""
 
     def stream(
-        self, prompt_ids, config, *, stats=None, should_stop=None, prediction=None, logprobs=None
+        self,
+        prompt_ids,
+        config,
+        *,
+        stats=None,
+        should_stop=None,
+        prediction=None,
+        logprobs=None,
+        grammar=None,
     ):
         self.threads.append(threading.get_ident())
         yield from super().stream(prompt_ids, config, stats=stats, should_stop=should_stop)

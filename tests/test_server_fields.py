@@ -60,6 +60,8 @@ ANSWERED = {
     "service_tier": "auto",
     "modalities": ["text"],
     "parallel_tool_calls": False,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "none",
     "n": 1,
     "best_of": 1,
     "logprobs": None,
@@ -79,8 +81,8 @@ REFUSED = {
     "echo": True,  # with logprobs (REFUSED_WITH): the prompt's are not computed
     "suffix": "return x",
     "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": []}},
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
+    "tool_choice": "auto",  # without tools
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
@@ -95,6 +97,8 @@ REFUSED = {
 
 REFUSED_WITH = {"echo": {"logprobs": 1}}
 """What a refused value is sent with, where it is refused only in company."""
+ANSWERED_WITH = {"tool_choice": {"tools": ANSWERED["tools"]}}
+"""What an answered value is sent with, where it means something only in company."""
 
 
 def table() -> dict[str, str]:
@@ -149,7 +153,7 @@ def endpoints_of(name: str) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("name", sorted(ANSWERED))
 def test_a_field_that_works_or_has_no_effect_is_answered(client, name):
     for endpoint, body in endpoints_of(name):
-        body = {**body, name: ANSWERED[name]}
+        body = {**body, **ANSWERED_WITH.get(name, {}), name: ANSWERED[name]}
         if name == "max_completion_tokens":
             body.pop("max_tokens", None)
         response = client.post(endpoint, json=body)

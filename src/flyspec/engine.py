@@ -180,17 +180,22 @@ class Engine:
         drafters need one)."""
         return self.decoder.draft is not None
 
-    def json_grammar(self, schema: dict | None = None) -> Grammar:
-        """The grammar of the answers ``schema`` (a JSON schema) allows, for :meth:`stream`'s
-        ``grammar``; None: any JSON object. :class:`FlyspecError` naming the problem for a
-        schema the grammar engine cannot use."""
-        if self._grammar_tokenizer is None:  # every token's bytes, read once
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as the grammar engine reads it (every token's bytes, read once)."""
+        if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(
                 self.tokenizer,
                 vocab_size=self.vocab_size,
                 eos_token_ids=self.decoder.eos_token_ids,
             )
-        return json_schema_grammar(schema, self._grammar_tokenizer)
+        return self._grammar_tokenizer
+
+    def json_grammar(self, schema: dict | None = None) -> Grammar:
+        """The grammar of the answers ``schema`` (a JSON schema) allows, for :meth:`stream`'s
+        ``grammar``; None: any JSON object. :class:`FlyspecError` naming the problem for a
+        schema the grammar engine cannot use."""
+        return json_schema_grammar(schema, self.grammar_tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -335,15 +340,22 @@ class Engine:
 
         return [before, *text(prefix), after, *text(suffix), middle]
 
-    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
+    def render_messages(self, messages: Sequence[dict], *, tools: Sequence[dict] = ()) -> str:
+        """A conversation as the tokenizer's chat template writes it, ending where the
+        assistant's answer starts; with ``tools`` (OpenAI's form), as the template shows
+        them to the model."""
         if not messages:
             raise FlyspecError("messages must not be empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise FlyspecError("this tokenizer has no chat template; send a raw prompt instead")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+        return self.tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=True
         )
+
+    def encode_messages(self, messages: Sequence[dict], *, tools: Sequence[dict] = ()) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template
+        (:meth:`render_messages`)."""
+        text = self.render_messages(messages, tools=tools)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prediction(self, prediction: str) -> list[int]:

@@ -38,6 +38,14 @@ from flyspec.server.protocol import (
 )
 from flyspec.server.requests import request_config
 from flyspec.server.scheduler import GenerationQueue, Job, Piece, QueueFullError, TokenRecord
+from flyspec.server.tools import (
+    CallStream,
+    call_grammar,
+    check_rendered,
+    chosen_name,
+    split_calls,
+    template_tools,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,17 @@ class Prepared:
     config: DecodeConfig
     prediction_ids: list[int] | None = None
     grammar: Grammar | None = None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return isinstance(self.body, ChatCompletionRequest) and self.body.calls_tools
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """The names of the functions the request offers (none without tools)."""
+        tools = getattr(self.body, "tools", None) or ()
+        return frozenset(tool["function"]["name"] for tool in tools)
 
 
 class GenerationHandler:
@@ -81,8 +100,12 @@ class GenerationHandler:
         self._executor: ThreadPoolExecutor | None = None
 
     def start(self) -> None:
-        """Start the preparation thread (from the app's lifespan)."""
+        """Start the preparation thread (from the app's lifespan), and read the tokenizer for
+        the grammar engine there first (seconds for a large vocabulary), so that the first
+        request with a schema or tools does not wait for it."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-prepare")
+        if hasattr(self.engine, "grammar_tokenizer"):
+            self._executor.submit(lambda: self.engine.grammar_tokenizer)
 
     def close(self) -> None:
         """Stop the preparation thread; preparations not yet started are dropped."""
@@ -119,13 +142,7 @@ class GenerationHandler:
                 raise shutting_down()
             answers.append((job, answer))
         choices = [
-            responses.choice_body(
-                chat=chat,
-                index=index,
-                text=answer.text if chat else prepared.body.echoed + answer.text,
-                finish_reason=job.finish_reason or "length",
-                logprobs=self._logprobs(job, answer.records, chat=chat),
-            )
+            self._choice(prepared, job, answer, index=index, chat=chat)
             for index, (job, answer) in enumerate(answers)
         ]
         if len(answers) > 1:  # each choice says how it was decoded
@@ -142,6 +159,30 @@ class GenerationHandler:
                 usage_=responses.jobs_usage(jobs),
                 speculative_=self._speculative(jobs[0]),
             )
+        )
+
+    def _choice(
+        self, prepared: Prepared, job: Job, answer: Piece, *, index: int, chat: bool
+    ) -> dict[str, Any]:
+        """One finished choice: its text, or with tools its text and calls."""
+        finish_reason = job.finish_reason or "length"
+        logprobs = self._logprobs(job, answer.records, chat=chat)
+        if not chat:
+            text = prepared.body.echoed + answer.text
+            return responses.choice_body(
+                chat=False, index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
+            )
+        calls = []
+        text: str | None = answer.text
+        if prepared.calls_tools:
+            text, calls = split_calls(answer.text, prepared.tool_names)
+        return responses.choice_body(
+            chat=True,
+            index=index,
+            text=text,
+            finish_reason=responses.with_calls(finish_reason, calls),
+            logprobs=logprobs,
+            tool_calls=[call.as_dict() for call in calls],
         )
 
     def _submit(self, prepared: Prepared, config: DecodeConfig) -> Job:
@@ -274,8 +315,20 @@ class GenerationHandler:
         )
 
     def _grammar(self, body: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
-        """The grammar of ``response_format``'s JSON (APIError 400 naming it for a schema the
-        grammar engine cannot use)."""
+        """The grammar of ``response_format``'s JSON, or of the tool calls a ``tool_choice``
+        requires (APIError 400 naming the field for one the grammar engine cannot use)."""
+        if isinstance(body, ChatCompletionRequest) and body.calls_tools:
+            if body.tool_choice not in ("required",) and chosen_name(body.tool_choice) is None:
+                return None  # auto: the model answers or calls as it likes
+            try:
+                return call_grammar(
+                    body.tools,
+                    name=chosen_name(body.tool_choice),
+                    parallel=body.parallel_tool_calls is not False,
+                    tokenizer=self.engine.grammar_tokenizer,
+                )
+            except FlyspecError as error:
+                raise APIError(400, clip(str(error), MESSAGE_LIMIT), param="tools") from None
         if body.response_format is None:
             return None
         try:
@@ -293,7 +346,17 @@ class GenerationHandler:
             if isinstance(body, ChatCompletionRequest):
                 if not body.messages:
                     raise APIError(400, "messages must not be empty", param="messages")
-                return self.engine.encode_messages([m.as_template_dict() for m in body.messages])
+                messages = [m.as_template_dict() for m in body.messages]
+                if not body.calls_tools:
+                    return self.engine.encode_messages(messages)
+                tools = template_tools(body.tools)
+                problem = check_rendered(
+                    self.engine.render_messages(messages, tools=tools),
+                    self.engine.render_messages(messages),
+                )
+                if problem is not None:
+                    raise APIError(400, problem, param="tools")
+                return self.engine.encode_messages(messages, tools=tools)
             if body.suffix:
                 return self._encode_infill(body.prompt, body.suffix)
             return self.engine.encode(body.prompt)
@@ -348,9 +411,20 @@ class GenerationHandler:
                 echoed = prepared.body.echoed
                 yield sse(responses.completion_chunk(**common, text=echoed, index=index))
             offset = 0
+            calls = CallStream(prepared.tool_names) if prepared.calls_tools else None
             async for piece in job.pieces():
                 logprobs = self._logprobs(job, piece.records, chat=chat, text_offset=offset)
                 offset += len(piece.text)
+                if calls is not None:
+                    for delta in responses.call_deltas(*calls.feed(piece.text), calls.calls):
+                        yield sse(responses.chat_chunk(**common, delta=delta, index=index))
+                    if logprobs is not None:  # a chunk of its own: the text may be held
+                        delta = {"content": ""}
+                        chunk = responses.chat_chunk(
+                            **common, delta=delta, logprobs=logprobs, index=index
+                        )
+                        yield sse(chunk)
+                    continue
                 if chat:
                     delta = {"content": piece.text}
                     chunk = responses.chat_chunk(
@@ -368,6 +442,10 @@ class GenerationHandler:
                 yield sse(shutting_down().body())
                 break
             finish_reason = job.finish_reason or "length"
+            if calls is not None:
+                for delta in responses.call_deltas(*calls.finish(), calls.calls):
+                    yield sse(responses.chat_chunk(**common, delta=delta, index=index))
+                finish_reason = responses.with_calls(finish_reason, calls.calls)
             if chat:
                 final = responses.chat_chunk(
                     **common, delta={}, finish_reason=finish_reason, index=index

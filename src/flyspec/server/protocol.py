@@ -32,9 +32,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-FinishReason = Literal["stop", "length"]
+from flyspec.server.tools import check_tool_choice, check_tools, chosen_name
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -52,8 +54,6 @@ METADATA_VALUE_LIMIT = 512
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 """OpenAI's service tiers: each is accepted and served as ``default``, the only one here."""
 NOT_YET = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "audio",
@@ -493,23 +493,87 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation; ``content`` may also be a list of text parts."""
+    """One message of a conversation; ``content`` may also be a list of text parts. An
+    assistant's message may carry the ``tool_calls`` it made (its content then optional), a
+    ``tool`` message the answer to one of them (``tool_call_id``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Any
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_alone(cls, data: Any) -> Any:
+        """An assistant's message of tool calls may leave its content out."""
+        if isinstance(data, dict) and "content" not in data and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> str:
-        return text_of_parts(value, what="content")
+    def _content(cls, value: Any) -> str | None:
+        return None if value is None else text_of_parts(value, what="content")
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it (``developer`` becomes ``system``)."""
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in value or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if (
+                call.get("type", "function") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments"), str)
+            ):
+                raise ValueError(
+                    'tool_calls entries must be {"id": ..., "type": "function", "function": '
+                    '{"name": ..., "arguments": "<JSON text>"}}'
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (``developer`` becomes ``system``; a tool
+        call's arguments a JSON object, where they parse as one)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        message: dict[str, Any] = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": call["function"]["name"],
+                        "arguments": _arguments(call["function"]["arguments"]),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as the template writes them: the JSON object they encode, else
+    the text as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_Request):
@@ -521,15 +585,31 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     modalities: list[str] | None = None
     parallel_tool_calls: bool | None = None
-    # Refused unless left out (docs/server.md, "What a request may send").
     tools: Any = None
     tool_choice: Any = None
+    # Refused unless left out (docs/server.md, "What a request may send").
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: Any) -> list[dict[str, Any]] | None:
+        return None if value is None else check_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> str | dict[str, Any] | None:
+        return None if value is None else check_tool_choice(value)
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model is shown tools and its answer read for calls (``tools`` sent,
+        ``tool_choice`` not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -560,6 +640,17 @@ class ChatCompletionRequest(_Request):
         for name in NOT_YET:
             if getattr(self, name) is not None:
                 return name, f"{name} is not supported"
+        if self.tool_choice is not None and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        named = chosen_name(self.tool_choice)
+        if named is not None and named not in {t["function"]["name"] for t in self.tools}:
+            return "tool_choice", f"tool_choice names {quote(named)}, which is none of the tools"
+        if self.response_format is not None and self.calls_tools:
+            return (
+                "response_format",
+                "send response_format or tools, not both (or tool_choice none): one grammar "
+                "holds an answer",
+            )
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
         return None

@@ -74,18 +74,36 @@ def choice_body(
     *,
     chat: bool,
     index: int,
-    text: str,
+    text: str | None,
     finish_reason: FinishReason,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One finished choice of a ``chat.completion`` (``chat``) or ``text_completion``."""
+    """One finished choice of a ``chat.completion`` (``chat``; with the ``tool_calls`` the
+    model made, where it made some) or ``text_completion``."""
     choice: dict[str, Any] = {"index": index}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
     else:
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     return choice
+
+
+def with_calls(finish_reason: FinishReason, calls: Sequence[Any]) -> FinishReason:
+    """OpenAI's ``tool_calls`` for an answer that ended on its own after calling tools."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def call_deltas(text: str, new_calls: Sequence[Any], calls: Sequence[Any]) -> list[dict]:
+    """The streamed deltas of released ``text`` and of ``new_calls``, the last of ``calls``
+    (each call whole in one delta, indexed among the choice's calls)."""
+    deltas: list[dict] = [{"content": text}] if text else []
+    first = len(calls) - len(new_calls)
+    deltas += [{"tool_calls": [call.as_dict(index=first + i)]} for i, call in enumerate(new_calls)]
+    return deltas
 
 
 def response_body(
