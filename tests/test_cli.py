@@ -344,3 +344,43 @@ def test_installed_entry_point_reports_errors_without_traceback():
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "flyspec: error: k must be an integer >= 1, got -3"
+
+
+def test_generate_follows_a_json_schema(capsys, tiny_pair, tmp_path):
+    """The tiny pair's tokenizer is JSON-capable (characters): the answer is held to the
+    schema; an enum and a boolean end within the budget (bounded whitespace)."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["x", "yy"]}},
+        "required": ["ok", "kind"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for extra in (["--json-schema", str(path)], ["--json-object"]):
+        code, out, _ = generate_on_tiny_pair(
+            capsys, tiny_pair, "--max-tokens", "300", "--json", "--mode", "fly", *extra
+        )
+        assert code == 0
+        result = json.loads(out)
+        value = json.loads(result["text"])
+        assert isinstance(value, dict)
+        if extra[0] == "--json-schema":
+            assert set(value) == {"ok", "kind"}
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (None, "cannot read the schema file"),
+        (b"{nope", "is not JSON"),
+        (b"[1]", "no JSON object"),
+        (b'{"type": "frob"}', "frob"),
+    ],
+)
+def test_bad_schema_files_are_one_line_errors(capsys, tiny_pair, tmp_path, content, fragment):
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_bytes(content)
+    code, _, err = generate_on_tiny_pair(capsys, tiny_pair, "--json-schema", str(path))
+    assert_one_line_error(code, err, fragment)

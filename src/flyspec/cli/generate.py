@@ -50,6 +50,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="a file holding text the answer is expected to largely repeat, such as the code "
         "being edited ('-' reads standard input): drafts come from it first (Predicted Outputs)",
     )
+    answer = prompt.add_mutually_exclusive_group()
+    answer.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="a file holding a JSON schema: the answer is JSON that follows it (structured "
+        "outputs: the target's and the draft's tokens masked by its grammar)",
+    )
+    answer.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
     add_decode_arguments(generate)
     output = generate.add_argument_group("output")
     shown = output.add_mutually_exclusive_group()
@@ -90,7 +98,12 @@ def run_generate(args: argparse.Namespace) -> int:
     prediction = None if args.prediction is None else read_prediction(args.prediction)
     if args.compare_target and args.compare_pairs < 1:
         raise FlyspecError(f"--compare-pairs must be >= 1, got {args.compare_pairs}")
+    schema = read_schema(args.json_schema) if args.json_schema is not None else None
+    wants_json = schema is not None or args.json_object
+    if wants_json and args.compare_target:
+        raise FlyspecError("--compare-target times unconstrained answers: leave out --json-*")
     engine = load_engine(args, with_draft=config.uses_draft_model or args.compare_target)
+    grammar = engine.json_grammar(schema) if wants_json else None
     prompt_ids = engine.encode(prompt, chat=args.chat)
     prediction_ids = None if prediction is None else engine.encode_prediction(prediction)
     comparison = None
@@ -99,7 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
             pairs=args.compare_pairs, peers=plain_llamacpp_peers(args, engine, config)
         )
     try:
-        return _generate(args, engine, config, prompt_ids, prediction_ids, comparison)
+        return _generate(args, engine, config, prompt_ids, prediction_ids, comparison, grammar)
     finally:
         if comparison is not None:
             comparison.close()
@@ -112,13 +125,15 @@ def _generate(
     prompt_ids: list[int],
     prediction_ids: list[int] | None,
     comparison: TargetComparison | None,
+    grammar=None,
 ) -> int:
-    """The generation, timed beside the target alone and llama.cpp where ``comparison``."""
+    """The generation (following ``grammar`` where given), timed beside the target alone and
+    llama.cpp where ``comparison``."""
     if comparison is not None:
         comparison.start(engine, prompt_ids, config, prediction=prediction_ids)
 
     if args.json:
-        result = engine.generate(prompt_ids, config, prediction=prediction_ids)
+        result = engine.generate(prompt_ids, config, prediction=prediction_ids, grammar=grammar)
         payload = result.as_dict()
         if comparison is not None:
             payload.update(comparison.finish(result.stats))
@@ -134,7 +149,10 @@ def _generate(
             "colours: "
             + ", ".join(f"{colour}{origin}{RESET}" for origin, colour in ORIGIN_COLOURS.items())
         )
-    for chunk in engine.stream(prompt_ids, config, stats=stats, prediction=prediction_ids):
+    chunks = engine.stream(
+        prompt_ids, config, stats=stats, prediction=prediction_ids, grammar=grammar
+    )
+    for chunk in chunks:
         text = chunk.text
         if args.show and text:
             text = f"{ORIGIN_COLOURS[chunk.origin]}{text}{RESET}"
@@ -382,6 +400,20 @@ def read_prompt(argument: str) -> str:
         raise FlyspecError(
             f"{source} is not valid UTF-8: byte 0x{data[error.start]:02x} at offset {error.start}"
         ) from None
+
+
+def read_schema(path: str) -> dict:
+    """The JSON schema in the file ``path`` (FlyspecError naming the problem)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            schema = json.load(handle)
+    except OSError as error:
+        raise FlyspecError(f"cannot read the schema file {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise FlyspecError(f"the schema file {path} is not JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise FlyspecError(f"the schema file {path} holds no JSON object (a schema is one)")
+    return schema
 
 
 def read_prediction(argument: str) -> str:
