@@ -91,3 +91,26 @@ def test_without_logprobs_nothing_is_computed_and_out_of_range_is_refused(target
     assert all(e.logprob is None for e in decoder.stream(PROMPT, config))
     with pytest.raises(FlyspecError, match="logprobs must be in"):
         list(decoder.stream(PROMPT, config, logprobs=21))
+
+
+@pytest.mark.parametrize("rows", [256, 3])
+def test_a_prompts_logprobs_are_the_targets_after_the_tokens_before(target, monkeypatch, rows):
+    """One forward's worth of rows at a time (3: the prompt in several pieces), each token
+    scored by the logits at the position before it."""
+    monkeypatch.setattr("flyspec.decoding.loop.PROMPT_LOGPROB_ROWS", rows)
+    prompt = [5, 9, 2, 33, 7, 7, 12, 40]
+    decoder = SpeculativeDecoder(target)
+    records = decoder.prompt_logprobs(prompt, top=3)
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0].double()
+    expected = logits.log_softmax(dim=-1)
+    assert records[0] is None and len(records) == len(prompt)
+    for position, record in enumerate(records[1:], start=1):
+        row = expected[position - 1]
+        assert record.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-5)
+        assert [token for token, _ in record.top] == row.topk(3).indices.tolist()
+    # The decoder goes on as before: a request after it gives the target's greedy tokens.
+    config = DecodeConfig(mode="target", max_new_tokens=5)
+    assert [e.token for e in decoder.stream(prompt, config)] == [
+        e.token for e in SpeculativeDecoder(target).stream(prompt, config)
+    ]

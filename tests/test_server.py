@@ -561,6 +561,42 @@ def test_echo_puts_the_prompt_before_each_choice(client):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == PROMPT + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt_then_the_answer(client, tiny_engine):
+    """What evaluation harnesses send: the prompt's tokens' log-probabilities under the
+    target (the first null), before the answer's; with ``max_tokens`` 0, the prompt alone."""
+    prompt_ids = tiny_engine.encode(PROMPT)
+    reference = tiny_engine.prompt_logprobs(prompt_ids, top=2)
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    count = len(prompt_ids)
+    assert choice["text"].startswith(PROMPT) and len(logprobs["tokens"]) == count + 4
+    assert "".join(logprobs["tokens"][:count]) == PROMPT
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:count] == pytest.approx(
+        [record.logprob for record in reference[1:]], abs=1e-5
+    )
+    assert logprobs["origins"][:count] == ["prompt"] * count
+    assert logprobs["text_offset"][count] == len(PROMPT)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    # The prompt alone: max_tokens 0, streamed or not.
+    alone = client.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == PROMPT
+    assert alone["choices"][0]["finish_reason"] == "length"
+    assert alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:count]
+    streamed = {**body, "max_tokens": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=streamed) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    assert "".join(texts) == PROMPT
+    assert events[0]["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        logprobs["token_logprobs"][1:count], abs=1e-5
+    )
+    refused = client.post("/v1/completions", json={**body, "echo": False, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def fim_engine() -> Engine:
     """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens."""
     tokenizer = make_tiny_tokenizer(VOCAB - 3)

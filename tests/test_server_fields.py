@@ -78,7 +78,7 @@ REFUSED = {
     "modalities": ["text", "audio"],
     "logprobs": 6,  # chat: not a boolean; completions: past 5 alternatives
     "top_logprobs": 21,
-    "echo": True,  # with logprobs (REFUSED_WITH): the prompt's are not computed
+    "echo": True,  # with a suffix (REFUSED_WITH)
     "suffix": "return x",
     "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": []}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
@@ -95,7 +95,7 @@ REFUSED = {
 }
 
 
-REFUSED_WITH = {"echo": {"logprobs": 1}}
+REFUSED_WITH = {"echo": {"suffix": "return x"}}
 """What a refused value is sent with, where it is refused only in company."""
 ANSWERED_WITH = {"tool_choice": {"tools": ANSWERED["tools"]}}
 """What an answered value is sent with, where it means something only in company."""

@@ -374,6 +374,18 @@ class Engine:
                 "tokens)"
             )
 
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], *, top: int = 0
+    ) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability under the target, with ``top`` alternatives
+        (None for the first token; :meth:`SpeculativeDecoder.prompt_logprobs`)."""
+        if len(prompt_ids) > self.context_length:
+            raise FlyspecError(
+                f"the prompt ({len(prompt_ids)} tokens) exceeds the model's context of "
+                f"{self.context_length} tokens"
+            )
+        return self.decoder.prompt_logprobs(prompt_ids, top=top)
+
     def stream(
         self,
         prompt_ids: Sequence[int],

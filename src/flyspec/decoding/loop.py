@@ -17,7 +17,7 @@ from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
 from flyspec.decoding.grammar import Grammar, RequestGrammar
-from flyspec.decoding.logprobs import MAX_TOP_LOGPROBS
+from flyspec.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
@@ -33,6 +33,10 @@ __all__ = [
     "budget_margin",
     "text_settings",
 ]
+
+PROMPT_LOGPROB_ROWS = 256
+"""Positions whose logits one forward of :meth:`SpeculativeDecoder.prompt_logprobs` reads
+(a whole long prompt's would be gigabytes: 151,936 floats a position)."""
 
 DECODER_REVISION = 4
 """The revision of what the decoder emits. Bump it with every change that can alter the
@@ -172,6 +176,29 @@ class SpeculativeDecoder:
         finally:
             request.clock.resume()
             request.stats.seconds = request.clock.elapsed()
+
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], *, top: int = 0
+    ) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability under the target's distribution after the
+        tokens before it (its raw logits: no penalties, temperature 1), with the ``top``
+        likeliest tokens there; None for the first token, which follows nothing. What
+        evaluation harnesses read of a text (OpenAI's ``echo`` with ``logprobs``): forwards
+        over the prompt, :data:`PROMPT_LOGPROB_ROWS` positions at a time."""
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise FlyspecError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if len(prompt_ids) == 0:
+            raise FlyspecError("the prompt is empty: give at least one token")
+        if not self.reuse_prefix:
+            self.target.reset()
+        self.target.follow(None)
+        records: list[TokenLogprob | None] = [None]
+        for start in range(0, len(prompt_ids) - 1, PROMPT_LOGPROB_ROWS):
+            end = min(start + PROMPT_LOGPROB_ROWS, len(prompt_ids) - 1)
+            logits = self.target.logits(prompt_ids[:end], end - start)  # rows predict start+1..
+            following = torch.tensor(prompt_ids[start + 1 : end + 1], device=logits.device)
+            records += token_logprobs(logits, following, top=top)
+        return records
 
     def _run_ahead(self, request: Request) -> Iterator[TokenEvent]:
         """The target alone, greedy, running ahead of the host as gpt-fast's decoding does:

@@ -168,7 +168,7 @@ class GenerationHandler:
         finish_reason = job.finish_reason or "length"
         logprobs = self._logprobs(job, answer.records, chat=chat)
         if not chat:
-            text = prepared.body.echoed + answer.text
+            text = answer.text  # the echoed prompt, where asked, came first
             return responses.choice_body(
                 chat=False, index=index, text=text, finish_reason=finish_reason, logprobs=logprobs
             )
@@ -196,6 +196,8 @@ class GenerationHandler:
                 prediction_ids=prepared.prediction_ids,
                 logprobs=prepared.body.requested_logprobs,
                 grammar=prepared.grammar,
+                echo=getattr(prepared.body, "echoed", None),
+                prompt_only=getattr(prepared.body, "prompt_only", False),
             )
         except QueueFullError:
             raise APIError(
@@ -248,6 +250,8 @@ class GenerationHandler:
             )
         else:
             max_tokens, max_tokens_param = body.max_tokens, "max_tokens"
+            if body.prompt_only:
+                max_tokens = 1  # the settings of a request, which decodes nothing
         if max_tokens is not None and max_tokens < 1:
             raise APIError(
                 400,
@@ -407,9 +411,6 @@ class GenerationHandler:
             if chat:
                 delta = {"role": "assistant", "content": ""}
                 yield sse(responses.chat_chunk(**common, delta=delta, index=index))
-            elif prepared.body.echoed:
-                echoed = prepared.body.echoed
-                yield sse(responses.completion_chunk(**common, text=echoed, index=index))
             offset = 0
             calls = CallStream(prepared.tool_names) if prepared.calls_tools else None
             async for piece in job.pieces():

@@ -469,16 +469,24 @@ class CompletionRequest(_Request):
         return value
 
     @property
-    def echoed(self) -> str:
+    def echoed(self) -> str | None:
         """The text that comes before each choice's answer: the prompt with ``echo``."""
-        return self.prompt if self.echo else ""
+        return self.prompt if self.echo else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (and its log-probabilities) alone, as
+        evaluation harnesses ask for a text's likelihood."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def unsupported(self) -> tuple[str, str] | None:
         found = super().unsupported()
         if found:
             return found
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs is not supported (the prompt's are not computed)"
+        if self.echo and self.suffix:
+            return "echo", "echo with a suffix is not supported (send one or the other)"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 asks for the prompt alone: send it with echo"
         if self.logprobs is not None and not 0 <= self.logprobs <= COMPLETION_LOGPROBS:
             return "logprobs", f"logprobs must be in [0, {COMPLETION_LOGPROBS}] (the alternatives)"
         if self.best_of not in (None, 1):

@@ -153,7 +153,9 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """A completion choice's ``logprobs`` (the legacy shape): the tokens' texts, their
     log-probabilities, their alternatives as ``{text: logprob}``, where each token's text
-    starts in the answer (from ``text_offset``), and (an extension) each token's origin."""
+    starts in the answer (from ``text_offset``), and (an extension) each token's origin. An
+    echoed prompt's tokens come first (origin ``prompt``), the first with nulls, as
+    OpenAI's."""
     tokens, offsets = [], []
     for record in records:
         offsets.append(text_offset)
@@ -161,9 +163,13 @@ def completion_logprobs(
         text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [record.logprob.logprob for record in records],
+        "token_logprobs": [
+            None if record.logprob is None else record.logprob.logprob for record in records
+        ],
         "top_logprobs": [
-            {token_text(tokenizer, token): value for token, value in record.logprob.top}
+            None
+            if record.logprob is None
+            else {token_text(tokenizer, token): value for token, value in record.logprob.top}
             for record in records
         ],
         "text_offset": offsets,

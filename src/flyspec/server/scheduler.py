@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 from flyspec.config import DecodeConfig
 from flyspec.decoding.grammar import Grammar
@@ -49,11 +50,12 @@ class _End:
 
 @dataclass(frozen=True)
 class TokenRecord:
-    """An emitted token with its log-probability (a job that asked for them)."""
+    """An emitted token with its log-probability (a job that asked for them); or a token of
+    an echoed prompt (``origin`` ``prompt``; its first has no log-probability)."""
 
     token: int
-    origin: Origin
-    logprob: TokenLogprob
+    origin: Origin | Literal["prompt"]
+    logprob: TokenLogprob | None
 
 
 @dataclass(frozen=True)
@@ -81,10 +83,14 @@ class Job:
         prediction_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        echo: str | None = None,
+        prompt_only: bool = False,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.logprobs = logprobs
         self.grammar = grammar
+        self.echo = echo
+        self.prompt_only = prompt_only
         self.prediction_ids = None if prediction_ids is None else list(prediction_ids)
         self.config = config
         self.deadline = deadline
@@ -236,8 +242,12 @@ class GenerationQueue:
         prediction_ids: Sequence[int] | None = None,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        echo: str | None = None,
+        prompt_only: bool = False,
     ) -> Job:
-        """Put a job in line, or raise :class:`QueueFullError` when the line is full."""
+        """Put a job in line, or raise :class:`QueueFullError` when the line is full.
+        ``echo``: a text its answer starts with (the prompt), with the prompt's
+        log-probabilities where it asks for them; ``prompt_only``: nothing after it."""
         if self._loop is None or self._wakeup is None:
             raise RuntimeError("the generation queue is not started")
         if len(self._waiting) + self.running > self.max_waiting:
@@ -249,6 +259,8 @@ class GenerationQueue:
             prediction_ids=prediction_ids,
             logprobs=logprobs,
             grammar=grammar,
+            echo=echo,
+            prompt_only=prompt_only,
         )
         job._deadline_timer = self._loop.call_later(timeout, self._on_deadline, job)
         self._waiting.append(job)
@@ -302,12 +314,31 @@ class GenerationQueue:
             self._running = None
             self._finish(job, outcome, error)
 
+    def _echo(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        """Hand over the echoed prompt, with its tokens' log-probabilities where asked."""
+        records: tuple[TokenRecord, ...] = ()
+        if job.logprobs is not None:
+            values = self.engine.prompt_logprobs(job.prompt_ids, top=job.logprobs)
+            records = tuple(
+                TokenRecord(token, "prompt", value)
+                for token, value in zip(job.prompt_ids, values, strict=True)
+            )
+        loop.call_soon_threadsafe(job._push, Piece(job.echo, records))
+
     def _generate(
         self, job: Job, loop: asyncio.AbstractEventLoop
     ) -> tuple[JobOutcome, BaseException | None]:
         """Run on the engine thread: iterate the engine, hand text to the loop, obey stops."""
         if job._should_stop():
             return job.stop_requested or "cancelled", None
+        if job.echo is not None:
+            try:
+                self._echo(job, loop)
+            except Exception as error:
+                logger.exception("the prompt's log-probabilities failed")
+                return "error", error
+            if job.prompt_only:
+                return "length", None
         # The engine ends the request after the next committed token once a stop is
         # requested, and still hands over the text it held back (a stop-string prefix).
         stream = self.engine.stream(
