@@ -19,6 +19,7 @@ from flyspec.decoding.grammar import (
     allowed_tokens,
     json_schema_grammar,
     masked_logits,
+    unpacked_on,
 )
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats
@@ -91,10 +92,15 @@ def test_the_engines_bit_masks_unpack_to_one_flag_a_token():
     assert allowed.shape == (2, 70)
     assert allowed[0].nonzero().flatten().tolist() == [0, 5, 63]
     assert allowed[1].nonzero().flatten().tolist() == [32]
-    logits = torch.zeros(2, 66)
-    masked = masked_logits(logits, allowed)
-    assert torch.isinf(masked[0]).sum() == 66 - 3
-    assert masked[1, 32] == 0 and torch.isinf(masked[1, :32]).all()
+    # As a GPU unpacks them: the same flags.
+    assert torch.equal(unpacked_on(bitmask, 70, device=torch.device("cpu")), allowed)
+    assert torch.equal(unpacked_on(bitmask, 40, device=torch.device("cpu")), allowed[:, :40])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        logits = torch.zeros(2, 66, dtype=dtype)
+        masked = masked_logits(logits, bitmask)
+        assert masked.dtype == dtype
+        assert torch.isinf(masked[0]).sum() == 66 - 3
+        assert masked[1, 32] == 0 and torch.isinf(masked[1, :32]).all()
 
 
 @pytest.mark.parametrize(
@@ -179,9 +185,9 @@ def test_fly_never_keeps_a_draft_token_the_grammar_forbids():
     loosest = FlyConfig(theta=0.0, window=0)
     kept = verify_greedy(draft_tokens, logits, fly=loosest)
     assert kept.num_kept == 2 and kept.loose_positions == (0,)  # unmasked: kept loosely
-    allowed = torch.ones(3, vocabulary, dtype=torch.bool)
-    allowed[0, 4] = False  # the grammar forbids token 4 first
-    masked = masked_logits(logits, allowed)
+    bitmask = torch.full((3, 1), -1, dtype=torch.int32)
+    bitmask[0, 0] = ~(1 << 4)  # the grammar forbids token 4 first
+    masked = masked_logits(logits, bitmask)
     verdict = verify_greedy(draft_tokens, masked, fly=loosest)
     assert verdict.num_kept == 0 and verdict.next_token == 1
     for seed in range(20):

@@ -163,27 +163,45 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
+def _unpacked(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The engine's bit masks as ``uint8[R, vocab_size]``, 1 where allowed (0 past them)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The engine's bit masks ``int32[R, ceil(V'/32)]`` (bit ``t % 32`` of word ``t // 32``
     set where token ``t`` is allowed) as ``bool[R, vocab_size]``; tokens past the mask's
     ``V'`` are not allowed."""
-    rows = bitmask.shape[0]
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
-    allowed = torch.from_numpy(bits.astype(bool)).reshape(rows, -1)
-    if allowed.shape[1] >= vocab_size:
-        return allowed[:, :vocab_size]
-    return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    return torch.from_numpy(_unpacked(bitmask, vocab_size).astype(bool))
 
 
-def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[R, V]`` with -inf where ``allowed`` ``bool[R, V']`` is False (cut or
-    padded with False to ``V``)."""
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # what a token allowed (1) or not (0) adds
+
+
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[R, V]`` with -inf where the engine's bit masks ``int32[R, W]`` (on the
+    host; :func:`allowed_tokens`) forbid a token. On the CPU as one addition of a bias of 0
+    and -inf (a third of a masked fill's time over 151,936 columns); elsewhere the masks are
+    copied packed (4 bytes for 32 tokens) and unpacked on the device."""
     vocab_size = logits.shape[-1]
-    if allowed.shape[-1] != vocab_size:
-        allowed = allowed[:, :vocab_size]
-        if allowed.shape[-1] < vocab_size:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[-1]))
-    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), -math.inf)
+    if logits.device.type == "cpu":
+        bias = np.take(_BIAS, _unpacked(bitmask, vocab_size))
+        return logits + torch.from_numpy(bias).to(logits.dtype)
+    allowed = unpacked_on(bitmask, vocab_size, device=logits.device)
+    return logits.masked_fill(~allowed, -math.inf)
+
+
+def unpacked_on(bitmask: torch.Tensor, vocab_size: int, *, device: torch.device) -> torch.Tensor:
+    """:func:`allowed_tokens` computed on ``device`` from the packed masks copied there."""
+    packed = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((packed[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    return allowed[:, :vocab_size]
 
 
 class RequestGrammar:
@@ -221,10 +239,15 @@ class RequestGrammar:
 
     def allowed(self, block: Sequence[int] = (), *, after: Sequence[int] = ()) -> torch.Tensor:
         """``bool[len(block) + 1, V]``: the tokens allowed before each of ``block`` and after
-        it, after the answer and ``after``. Rows after a forbidden token of ``block``, or an
-        end token, allow every token (verification cuts the block there and never reads
-        them). An end token is never consumed: the engine does not count it as a token it
-        can roll back."""
+        it, after the answer and ``after`` (:meth:`masks`, unpacked)."""
+        return allowed_tokens(self.masks(block, after=after), self.vocab_size)
+
+    def masks(self, block: Sequence[int] = (), *, after: Sequence[int] = ()) -> torch.Tensor:
+        """The engine's bit masks ``int32[len(block) + 1, W]`` of the tokens allowed before
+        each of ``block`` and after it, after the answer and ``after``. Rows after a
+        forbidden token of ``block``, or an end token, allow every token (verification cuts
+        the block there and never reads them). An end token is never consumed: the engine
+        does not count it as a token it can roll back."""
         self._follow(after)
         rows = len(block) + 1
         if self._bitmask.shape[0] < rows:
@@ -242,7 +265,7 @@ class RequestGrammar:
             consumed += 1
         if consumed:
             self._matcher.rollback(consumed)
-        return allowed_tokens(masks, self.vocab_size)
+        return masks
 
     def apply(
         self,
@@ -251,8 +274,8 @@ class RequestGrammar:
         after: Sequence[int] = (),
         block: Sequence[int] = (),
     ) -> torch.Tensor:
-        """``logits`` ``[len(block) + 1, V]`` masked by :meth:`allowed`."""
-        return masked_logits(logits, self.allowed(block, after=after))
+        """``logits`` ``[len(block) + 1, V]`` masked by :meth:`masks`."""
+        return masked_logits(logits, self.masks(block, after=after))
 
     def _follow(self, after: Sequence[int]) -> None:
         """Bring the matcher to the answer followed by ``after``: roll back what it consumed
