@@ -1,7 +1,7 @@
 """Structured outputs beside llama-server: the same chat requests with a JSON schema
 (``response_format`` ``json_schema``, greedy) sent to llama.cpp's own server and to
-``flyspec serve --backend llamacpp`` on the default pair's GGUF files, each a fresh child
-process, end to end over HTTP.
+``flyspec serve --backend llamacpp`` on the default pair's GGUF files, each setting in a fresh
+child process (no prompt read before), end to end over HTTP.
 
     pip install jsonschema                     # checks every answer against its schema
     python benchmarks/json_schema_table.py     # about 15 minutes on 2 cores
@@ -28,19 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from served import serving  # noqa: E402
+from served import llama_serving, serving  # noqa: E402
 
-from flyspec.bench.llama_server import (  # noqa: E402
-    ServerSetup,
-    llama_server_binary,
-    server_arguments,
-)
-from flyspec.models.default_pair import default_gguf_paths  # noqa: E402
-from flyspec.support.child_server import running  # noqa: E402
 from flyspec.support.machine import cpuinfo, git_commit  # noqa: E402
-
-THREADS = 2
-CONTEXT = 4096
 
 
 def record(properties: dict, required: list[str] | None = None) -> dict:
@@ -246,24 +236,15 @@ def main() -> None:
     args = parser.parse_args()
     import jsonschema  # noqa: F401  (fails early, with pip's name, where it is missing)
 
-    paths = default_gguf_paths()
-    setup = ServerSetup(target=paths.target, threads=THREADS, context=CONTEXT)
     results: dict[str, list[tuple[float, float, list[bool]]]] = {name: [] for name in SETTINGS}
-    command = [llama_server_binary(), *server_arguments("llama-server", setup, k=0), "--jinja"]
-
-    def llama_server(port: int) -> list[str]:
-        return [*command, "--port", str(port)]
-
     for _ in range(args.passes):
-        with running("llama-server", llama_server) as url:
+        with llama_serving(["--jinja"]) as url:
             results["llama-server"].append(one_pass(url, max_tokens=args.max_tokens, extra={}))
-        serve = ["--backend", "llamacpp", "--model", str(paths.target)]
-        serve += ["--draft-model", str(paths.draft), "--threads", str(THREADS)]
-        serve += ["--llamacpp-context", str(CONTEXT)]
-        with serving(serve) as url:
-            for name, extra in SETTINGS.items():
-                if extra is not None:
-                    results[name].append(one_pass(url, max_tokens=args.max_tokens, extra=extra))
+        for name, extra in SETTINGS.items():
+            if extra is None:
+                continue
+            with serving(["--backend", "llamacpp"]) as url:  # fresh: no prompt seen before
+                results[name].append(one_pass(url, max_tokens=args.max_tokens, extra=extra))
     cpu = cpuinfo()
     print(
         f"commit {git_commit(ROOT)}, CPU {cpu.get('model name', platform.machine())} (family "

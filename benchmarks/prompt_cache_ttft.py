@@ -24,18 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from served import serving  # noqa: E402
+from served import llama_serving, serving  # noqa: E402
 
-from flyspec.bench.llama_server import (  # noqa: E402
-    ServerSetup,
-    llama_server_binary,
-    server_arguments,
-)
 from flyspec.bench.prompts import dataset_prompts  # noqa: E402
-from flyspec.config import LlamaCppConfig  # noqa: E402
-from flyspec.models.default_pair import default_gguf_paths  # noqa: E402
-from flyspec.models.llamacpp import default_threads  # noqa: E402
-from flyspec.support.child_server import running  # noqa: E402
 
 FLYSPEC_SETTINGS = {
     "flyspec serve": [],
@@ -63,21 +54,6 @@ def time_to_first_token(client, prompt, *, prediction: bool) -> float:
     return first
 
 
-def llama_server_url():
-    """llama-server on the default target's GGUF file, as the bench's ``llama-server`` runs."""
-    setup = ServerSetup(
-        target=default_gguf_paths().target,
-        threads=default_threads(),
-        context=LlamaCppConfig().context,
-    )
-    arguments = server_arguments("llama-server", setup, k=1)
-    return running(
-        "llama-server",
-        lambda port: [llama_server_binary(), *arguments, "--port", str(port)],
-        start_seconds=300,
-    )
-
-
 def twice(url: str, prompt, *, prediction: bool) -> tuple[float, float]:
     import openai
 
@@ -96,7 +72,7 @@ def main() -> int:
     flyspec += ["--mode", "spd", "--drafter", "ngram"]
     times: dict[str, list[tuple[float, float]]] = {}
     for _ in range(args.passes):
-        with llama_server_url() as url:
+        with llama_serving() as url:
             times.setdefault("llama-server", []).append(twice(url, prompt, prediction=False))
         for name, extra in FLYSPEC_SETTINGS.items():
             with serving([*flyspec, *extra], start_seconds=300) as url:

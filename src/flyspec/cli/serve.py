@@ -21,6 +21,7 @@ from flyspec.cli.options import (
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
+from flyspec.models.prompt_cache import DEFAULT_CACHE_BYTES
 from flyspec.server.access import (
     API_KEY_ENV,
     DEFAULT_HOST,
@@ -72,6 +73,15 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="keep the models' caches between requests, so that a request reads only the part "
         "of its prompt not shared with the request before (default: on; a request's tokens "
         "may then differ by rounding from a fresh run's, as in llama-server)",
+    )
+    server.add_argument(
+        "--cache-ram",
+        type=int,
+        default=DEFAULT_CACHE_BYTES // 2**20,
+        metavar="MIB",
+        help="with --cache-prompt, keep the models' states of recent requests in this much host "
+        "memory, restored when a prompt comes back (by longest common prefix, as "
+        "llama-server's --cache-ram; default: %(default)s MiB; 0: the last request only)",
     )
     server.add_argument(
         "--first-token-alone",
@@ -170,6 +180,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_vllm_serve(args, defaults)
     if args.queue_size < 0:
         raise FlyspecError(f"--queue-size must be >= 0, got {args.queue_size}")
+    if args.cache_ram < 0:
+        raise FlyspecError(f"--cache-ram must be >= 0 MiB, got {args.cache_ram}")
     if not args.request_timeout > 0:
         raise FlyspecError(f"--request-timeout must be > 0, got {args.request_timeout}")
     options = server_options(args, api_key=api_key)
@@ -189,6 +201,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_executor = engine_thread()
     engine = engine_executor.submit(load_engine, args, with_draft=not args.no_draft).result()
     engine.decoder.reuse_prefix = args.cache_prompt  # SpeculativeDecoder says what it costs
+    if args.cache_prompt:
+        engine.decoder.keep_prompts(args.cache_ram * 2**20)
     app = create_app(
         engine,
         defaults=defaults,

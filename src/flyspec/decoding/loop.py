@@ -24,6 +24,7 @@ from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, DeviceTokens, LanguageModel, read_later
+from flyspec.models.prompt_cache import PromptCache
 
 __all__ = [
     "DECODER_REVISION",
@@ -96,9 +97,10 @@ class SpeculativeDecoder:
     ``lean``, ``compiled`` or ``transformers`` (:func:`flyspec.models.cache.make_forward`).
     ``reuse_prefix``: the models keep their caches from one request to the next, so that a
     request reads only what its prompt does not share with what they hold (a second request
-    about the same file pays no second prefill, as llama-server's prompt cache); off by
-    default, as a request's tokens may then depend on the one before through rounding (the
-    shared prefix's keys and values were computed in other forwards).
+    about the same file pays no second prefill, as llama-server's prompt cache), and of many
+    earlier requests with :meth:`keep_prompts`; off by default, as a request's tokens may then
+    depend on the one before through rounding (the shared prefix's keys and values were
+    computed in other forwards).
     """
 
     def __init__(
@@ -117,6 +119,17 @@ class SpeculativeDecoder:
         self.auto_k = AutoKPolicies()  # what -k auto learns, across requests
         self.vocab_size = self.target.vocab_size
         self._end_token_tensors: dict[torch.device, torch.Tensor] = {}
+        self.prompt_cache: PromptCache | None = None
+
+    def keep_prompts(self, budget_bytes: int) -> None:
+        """Keep the models' states of recent requests in host memory, up to ``budget_bytes``
+        in all (0: none), restored by longest common prefix when a request's prompt shares
+        more with one than with the live caches (:mod:`flyspec.models.prompt_cache`). With
+        ``reuse_prefix`` only: without it every request starts afresh."""
+        self.prompt_cache = PromptCache(budget_bytes) if budget_bytes else None
+        for lm, name in ((self.target, "target"), (self.draft, "draft")):
+            if lm is not None:
+                lm.use_prompt_cache(self.prompt_cache, name=name)
 
     def stream(
         self,
@@ -176,6 +189,10 @@ class SpeculativeDecoder:
         finally:
             request.clock.resume()
             request.stats.seconds = request.clock.elapsed()
+            if self.reuse_prefix and self.prompt_cache is not None:
+                for lm in (self.target, self.draft):
+                    if lm is not None:
+                        lm.keep()
 
     def prompt_logprobs(
         self, prompt_ids: Sequence[int], *, top: int = 0

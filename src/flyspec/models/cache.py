@@ -14,14 +14,7 @@ from transformers import DynamicCache
 from flyspec.config import FORWARD_PATHS
 from flyspec.errors import FlyspecError
 from flyspec.models.lean import LeanForward, lean_unsupported_reason, output_rows
-
-
-def common_prefix_length(cached: Sequence[int], tokens: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    limit = min(len(cached), len(tokens))
-    if list(cached[:limit]) == list(tokens[:limit]):
-        return limit
-    return next(i for i in range(limit) if cached[i] != tokens[i])
+from flyspec.models.prompt_cache import PromptCache, common_prefix_length
 
 
 def token_tensor(token_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -159,6 +152,15 @@ class ForwardRunner(Protocol):
         """The bytes the cache holds."""
         ...
 
+    def snapshot(self) -> tuple[object, int] | None:
+        """A copy of the cached positions' state in host memory, and its bytes (None: none
+        can be taken, or the cache is empty)."""
+        ...
+
+    def restore(self, state: object, length: int) -> None:
+        """Hold the first ``length`` positions of a :meth:`snapshot`'s ``state``."""
+        ...
+
 
 class TransformersForward:
     """Forward passes through ``model(...)`` with a transformers ``DynamicCache``: runs any
@@ -211,6 +213,14 @@ class TransformersForward:
     def reserve(self, positions: int) -> None:
         """Nothing: transformers' cache grows as it goes."""
 
+    def snapshot(self) -> None:
+        """None: transformers' cache layouts differ from release to release; the lean forward
+        and llama.cpp keep theirs."""
+        return None
+
+    def restore(self, state: object, length: int) -> None:
+        raise NotImplementedError("transformers' forward takes no snapshot to restore")
+
     def forward(self, input_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         output = self.model(
             input_ids=input_ids,
@@ -257,6 +267,14 @@ class LanguageModel(Protocol):
     def logits(self, tokens: Sequence[int], num_logits: int = 1) -> torch.Tensor:
         """``[num_logits, V]``: row ``j`` predicts the token after
         ``tokens[len(tokens) - num_logits + j]``."""
+        ...
+
+    def use_prompt_cache(self, prompts: PromptCache | None, *, name: str) -> None:
+        """Keep and restore states in ``prompts`` under ``name`` (None: none)."""
+        ...
+
+    def keep(self) -> None:
+        """Put the cache's state in the prompt cache (the end of a request)."""
         ...
 
     def prefill(self, tokens: Sequence[int]) -> None:
@@ -322,6 +340,8 @@ class CachedLM:
         self._tokens: list[int] = []
         self._unread: list[torch.Tensor] = []  # long[n] each: fed by step() or a block, unread
         self._source: DeviceTokens | None = None
+        self._prompts: PromptCache | None = None
+        self._name = "model"
 
     @property
     def vocab_size(self) -> int:
@@ -359,6 +379,23 @@ class CachedLM:
         self._unread = []
         self.forward_calls = 0
 
+    def use_prompt_cache(self, prompts: PromptCache | None, *, name: str) -> None:
+        """Keep states in ``prompts`` (:meth:`keep`) and restore them at :meth:`prefill`,
+        under ``name`` (the model's role: ``target``, ``draft``); None: neither."""
+        self._prompts, self._name = prompts, name
+
+    def keep(self) -> None:
+        """Put the cache's state in the prompt cache, keyed by the tokens it holds (at the
+        end of a request); nothing where there is none, or it holds those tokens already."""
+        if self._prompts is None:
+            return
+        tokens = self.cached_tokens
+        if not tokens or self._prompts.holds(self._name, tokens):
+            return
+        taken = self.runner.snapshot()
+        if taken is not None:
+            self._prompts.put(self._name, tokens, *taken)
+
     def follow(self, source: DeviceTokens | None) -> None:
         """Take the new tokens of a forward from ``source`` (a request's context on the
         device) wherever they are its tokens at the same positions, instead of copying them
@@ -385,12 +422,28 @@ class CachedLM:
         """Have the cache hold ``tokens``, a prompt that the next forward continues: one
         forward over what it does not hold of them, and none where it holds them all (a
         prompt the request before left cached: its logits are not wanted, and reading its
-        last position again for them would cost a forward)."""
-        if common_prefix_length(self.cached_tokens, tokens) < len(tokens):
+        last position again for them would cost a forward). With a prompt cache, a kept state
+        that shares more of them than the live cache is restored first."""
+        held = common_prefix_length(self.cached_tokens, tokens)
+        if held < len(tokens) and self._prompts is not None:
+            held = self._restore(tokens, held)
+        if held < len(tokens):
             self._forward(tokens, 1)
             return
         self.runner.crop(len(tokens))
         self._tokens = list(tokens)
+
+    def _restore(self, tokens: Sequence[int], held: int) -> int:
+        """Restore the kept state that shares more of ``tokens`` than the ``held`` positions
+        of the live cache, where there is one; the positions held after."""
+        found = self._prompts.best(self._name, tokens)
+        if found is None or found[1] <= held:
+            return held
+        kept, shared = found
+        self.runner.restore(kept.state, shared)
+        self._tokens, self._unread = list(kept.tokens[:shared]), []
+        self._prompts.restored_tokens += shared - held
+        return shared
 
     @torch.inference_mode()
     def logits_with_block(

@@ -171,6 +171,28 @@ class LeanForward:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         self.length = length
 
+    def snapshot(self) -> tuple[object, int] | None:
+        """The cached positions' keys and values, copied to host memory, and their bytes (a
+        prompt cache keeps them: :mod:`flyspec.models.prompt_cache`); None for an empty
+        cache."""
+        if self.length == 0:
+            return None
+        kept = [
+            [t[:, :, : self.length].to("cpu", copy=True) for t in tensors]
+            for tensors in (self.keys, self.values)
+        ]
+        return kept, sum(t.nbytes for tensors in kept for t in tensors)
+
+    def restore(self, state: object, length: int) -> None:
+        """Hold the first ``length`` positions of a :meth:`snapshot`'s state, copied into
+        the buffers (which keep their addresses where they are large enough)."""
+        keys, values = state
+        self._reserve(length, self.model.model.embed_tokens.weight)
+        for buffers, kept in ((self.keys, keys), (self.values, values)):
+            for buffer, saved in zip(buffers, kept, strict=True):
+                buffer[:, :, :length].copy_(saved[:, :, :length])
+        self.length = length
+
     def reserve(self, positions: int) -> None:
         """Buffers for ``positions`` cached positions, and the padding a compiled forward
         writes past its new tokens, made now if they are smaller: no forward up to there

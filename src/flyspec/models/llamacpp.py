@@ -125,6 +125,28 @@ class LlamaCppForward:
         """Nothing: llama.cpp's context holds :attr:`context_length` positions from the
         start."""
 
+    def snapshot(self) -> tuple[object, int] | None:
+        """llama.cpp's state of the cached positions (its sequence 0), copied out, and its
+        bytes; None for an empty cache."""
+        if self.length == 0:
+            return None
+        size = int(self._api.llama_state_seq_get_size(self._context, 0))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(self._api.llama_state_seq_get_data(self._context, buffer, size, 0))
+        if written == 0:
+            return None
+        return (self.length, bytes(buffer[:written])), written
+
+    def restore(self, state: object, length: int) -> None:
+        """Hold the first ``length`` positions of a :meth:`snapshot`'s state."""
+        kept_length, data = state
+        self.reset()
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self._api.llama_state_seq_set_data(self._context, buffer, len(data), 0)) == 0:
+            raise RuntimeError("llama.cpp could not restore a kept state")
+        self.length = kept_length
+        self.crop(length)
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions, remove the rest from the KV cache."""
         if not 0 <= length <= self.length:
