@@ -83,3 +83,14 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"peak resident memory of this test process: {gib(peak_rss_bytes())} GiB"
     )
+
+
+@pytest.fixture(scope="module")
+def loose_client():
+    """The openai client of a tiny pair whose draft differs from the target (FLy keeps some
+    tokens loosely), served with room for 600 new tokens: JSON answers of random models end
+    within it, their whitespace bounded (decoding/grammar.py)."""
+    from tests.test_server import loosening_engine, openai_client
+
+    with openai_client(loosening_engine(), max_new_tokens=600) as client:
+        yield client

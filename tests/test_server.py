@@ -40,6 +40,30 @@ POLL_LIMIT = 30.0
 # ---------------------------------------------------------------- helpers and fixtures
 
 
+def loosening_engine() -> Engine:
+    """A tiny pair whose draft differs from the target (FLy keeps some tokens loosely)."""
+    tokenizer = make_tiny_tokenizer(VOCAB)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
+    draft = make_tiny_model(vocab_size=VOCAB, seed=3, num_layers=1, **ids)
+    return Engine(target_model=target, draft_model=draft, tokenizer=tokenizer)
+
+
+@contextlib.contextmanager
+def openai_client(engine, *, max_new_tokens: int, model: str = MODEL) -> Iterator[openai.OpenAI]:
+    """The official openai client of ``engine`` served as ``model`` (K=4, ``max_new_tokens``
+    by default) on a free loopback port."""
+    app = create_app(
+        engine,
+        defaults=DecodeConfig(k=4, max_new_tokens=max_new_tokens),
+        model_name=model,
+        queue_size=4,
+        request_timeout=120,
+    )
+    with running(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @contextlib.contextmanager
 def running(app) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""

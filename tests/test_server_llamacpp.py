@@ -10,9 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from flyspec.config import DecodeConfig
-from flyspec.server.app import create_app
-from tests.test_server import running
+from tests.test_server import openai_client
 
 pytest.importorskip("llama_cpp")
 
@@ -23,15 +21,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def client(tiny_llamacpp_engine) -> Iterator[openai.OpenAI]:
-    app = create_app(
-        tiny_llamacpp_engine,
-        defaults=DecodeConfig(k=4, max_new_tokens=MAX_TOKENS),
-        model_name=MODEL,
-        queue_size=4,
-        request_timeout=120,
-    )
-    with running(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with openai_client(tiny_llamacpp_engine, max_new_tokens=MAX_TOKENS, model=MODEL) as client:
+        yield client
 
 
 def complete(client: openai.OpenAI, *, stream: bool, **extra) -> tuple[str, dict]:

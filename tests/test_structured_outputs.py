@@ -7,18 +7,13 @@ naming ``response_format``."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import openai
 import pytest
 from pydantic import BaseModel
 
-from flyspec.config import DecodeConfig
-from flyspec.engine import Engine
-from flyspec.server.app import create_app
-from tests.test_server import MODEL, VOCAB, running
-from tests.tiny import make_tiny_model, make_tiny_tokenizer
+from tests.test_server import MODEL, openai_client
 
 # Whitespace between JSON tokens is bounded (decoding/grammar.py), so an answer of fixed
 # fields and enums ends within this budget even on a random model.
@@ -33,29 +28,6 @@ class Verdict(BaseModel):
 MESSAGES = [{"role": "user", "content": "answer in JSON"}]
 
 
-@pytest.fixture(scope="module")
-def oai(tiny_engine) -> Iterator[openai.OpenAI]:
-    app = create_app(
-        tiny_engine,
-        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
-        model_name=MODEL,
-        queue_size=4,
-        request_timeout=120,
-    )
-    with running(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tiny_engine() -> Engine:
-    """A tiny pair whose draft differs from the target (FLy keeps some tokens loosely)."""
-    tokenizer = make_tiny_tokenizer(VOCAB)
-    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
-    draft = make_tiny_model(vocab_size=VOCAB, seed=3, num_layers=1, **ids)
-    return Engine(target_model=target, draft_model=draft, tokenizer=tokenizer)
-
-
 MODES = {
     "target": {"mode": "target"},
     "spd": {"mode": "spd"},
@@ -66,8 +38,8 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_parse_returns_the_pydantic_object(oai, mode):
-    completion = oai.beta.chat.completions.parse(
+def test_parse_returns_the_pydantic_object(loose_client, mode):
+    completion = loose_client.beta.chat.completions.parse(
         model=MODEL, messages=MESSAGES, response_format=Verdict, extra_body=MODES[mode]
     )
     choice = completion.choices[0]
@@ -76,9 +48,9 @@ def test_parse_returns_the_pydantic_object(oai, mode):
     assert Verdict.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-def test_a_streamed_answer_under_a_schema_parses(oai):
+def test_a_streamed_answer_under_a_schema_parses(loose_client):
     schema = Verdict.model_json_schema()
-    stream = oai.chat.completions.create(
+    stream = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         stream=True,
@@ -93,14 +65,14 @@ def test_a_streamed_answer_under_a_schema_parses(oai):
     Verdict.model_validate_json(text)
 
 
-def test_json_object_on_both_endpoints_gives_an_object(oai):
-    chat = oai.chat.completions.create(
+def test_json_object_on_both_endpoints_gives_an_object(loose_client):
+    chat = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         max_tokens=40,
         response_format={"type": "json_object"},
     )
-    completion = oai.completions.create(
+    completion = loose_client.completions.create(
         model=MODEL,
         prompt="{",
         max_tokens=40,
@@ -117,8 +89,8 @@ def test_json_object_on_both_endpoints_gives_an_object(oai):
             assert reason == "length"
 
 
-def test_an_answer_cut_by_max_tokens_says_length(oai):
-    completion = oai.chat.completions.create(
+def test_an_answer_cut_by_max_tokens_says_length(loose_client):
+    completion = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         max_tokens=2,
@@ -143,9 +115,9 @@ def test_an_answer_cut_by_max_tokens_says_length(oai):
         ({"type": "json_object", "schema": {}}, "unknown field"),
     ],
 )
-def test_a_format_that_cannot_be_used_is_a_400_naming_it(oai, response_format, named):
+def test_a_format_that_cannot_be_used_is_a_400_naming_it(loose_client, response_format, named):
     with pytest.raises(openai.BadRequestError) as raised:
-        oai.chat.completions.create(
+        loose_client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=4, response_format=response_format
         )
     error = raised.value.body
@@ -153,9 +125,11 @@ def test_a_format_that_cannot_be_used_is_a_400_naming_it(oai, response_format, n
     assert named in error["message"], error
 
 
-def test_text_is_the_plain_answer(oai):
-    plain = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=1)
-    text = oai.chat.completions.create(
+def test_text_is_the_plain_answer(loose_client):
+    plain = loose_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, seed=1
+    )
+    text = loose_client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, seed=1, response_format={"type": "text"}
     )
     assert text.choices[0].message.content == plain.choices[0].message.content
@@ -163,15 +137,7 @@ def test_text_is_the_plain_answer(oai):
 
 def test_the_llamacpp_backend_answers_under_a_schema(tiny_llamacpp_engine):
     pytest.importorskip("llama_cpp")
-    app = create_app(
-        tiny_llamacpp_engine,
-        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
-        model_name=MODEL,
-        queue_size=4,
-        request_timeout=120,
-    )
-    with running(app) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with openai_client(tiny_llamacpp_engine, max_new_tokens=BUDGET) as client:
         for extra in ({"mode": "target"}, {"mode": "fly", "theta": 0.0, "window": 0}):
             completion = client.beta.chat.completions.parse(
                 model=MODEL, messages=MESSAGES, response_format=Verdict, extra_body=extra

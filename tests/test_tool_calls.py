@@ -7,7 +7,6 @@ parsing of what a model writes, piece by piece as it streams."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -17,8 +16,8 @@ from flyspec.decoding.grammar import GrammarTokenizer
 from flyspec.engine import Engine
 from flyspec.server.app import create_app
 from flyspec.server.tools import CallStream, call_grammar, split_calls
-from tests.test_server import MODEL, VOCAB, running
-from tests.tiny import make_tiny_model, make_tiny_tokenizer
+from tests.test_server import MODEL, VOCAB, loosening_engine, openai_client, running
+from tests.tiny import make_tiny_tokenizer
 
 BUDGET = 600
 CITY = {
@@ -126,28 +125,6 @@ def test_the_grammar_holds_a_call_to_the_tools_parameters():
     assert accepts(named, other) and not accepts(named, call)
 
 
-@pytest.fixture(scope="module")
-def tiny_engine() -> Engine:
-    tokenizer = make_tiny_tokenizer(VOCAB)
-    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
-    draft = make_tiny_model(vocab_size=VOCAB, seed=3, num_layers=1, **ids)
-    return Engine(target_model=target, draft_model=draft, tokenizer=tokenizer)
-
-
-@pytest.fixture(scope="module")
-def oai(tiny_engine) -> Iterator[openai.OpenAI]:
-    app = create_app(
-        tiny_engine,
-        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
-        model_name=MODEL,
-        queue_size=4,
-        request_timeout=120,
-    )
-    with running(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 MODES = {
     "target": {"mode": "target"},
     "spd": {"mode": "spd"},
@@ -158,7 +135,7 @@ MODES = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("choice", ["required", "weather"])
-def test_a_required_call_is_well_formed(oai, mode, choice):
+def test_a_required_call_is_well_formed(loose_client, mode, choice):
     tool_choice = (
         choice
         if choice == "required"
@@ -167,7 +144,7 @@ def test_a_required_call_is_well_formed(oai, mode, choice):
             "function": {"name": choice},
         }
     )
-    completion = oai.chat.completions.create(
+    completion = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=TOOLS,
@@ -185,8 +162,8 @@ def test_a_required_call_is_well_formed(oai, mode, choice):
     assert not choice_.message.content
 
 
-def test_a_streamed_call_arrives_as_openai_streams_it(oai):
-    stream = oai.chat.completions.create(
+def test_a_streamed_call_arrives_as_openai_streams_it(loose_client):
+    stream = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=TOOLS,
@@ -202,8 +179,8 @@ def test_a_streamed_call_arrives_as_openai_streams_it(oai):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_tool_call_round_trips(oai):
-    first = oai.chat.completions.create(
+def test_a_tool_call_round_trips(loose_client):
+    first = loose_client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         tools=TOOLS,
@@ -216,7 +193,7 @@ def test_a_tool_call_round_trips(oai):
         message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 18 degrees"},
     ]
-    answer = oai.chat.completions.create(
+    answer = loose_client.chat.completions.create(
         model=MODEL, messages=conversation, tools=TOOLS, max_tokens=8
     )
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -224,9 +201,9 @@ def test_a_tool_call_round_trips(oai):
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens + len("sunny, 18 degrees")
 
 
-def test_auto_and_none_answer_in_text_or_calls(oai):
+def test_auto_and_none_answer_in_text_or_calls(loose_client):
     for tool_choice in ("auto", "none"):
-        completion = oai.chat.completions.create(
+        completion = loose_client.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=12
         )
         choice = completion.choices[0]
@@ -255,17 +232,17 @@ def test_auto_and_none_answer_in_text_or_calls(oai):
         ),
     ],
 )
-def test_tools_that_cannot_be_used_are_a_400_naming_the_field(oai, body, param, named):
+def test_tools_that_cannot_be_used_are_a_400_naming_the_field(loose_client, body, param, named):
     with pytest.raises(openai.BadRequestError) as raised:
-        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **body)
+        loose_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **body)
     error = raised.value.body
     assert error["param"] == param and named in error["message"], error
 
 
-def test_a_template_without_a_tool_format_is_refused(tiny_engine):
+def test_a_template_without_a_tool_format_is_refused():
     tokenizer = make_tiny_tokenizer(VOCAB)
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
-    engine = Engine(target_model=tiny_engine.target_model, tokenizer=tokenizer)
+    engine = Engine(target_model=loosening_engine().target_model, tokenizer=tokenizer)
     app = create_app(
         engine, defaults=DecodeConfig(mode="target", max_new_tokens=4), model_name=MODEL
     )
@@ -283,15 +260,7 @@ def test_a_template_without_a_tool_format_is_refused(tiny_engine):
 
 def test_the_llamacpp_backend_calls_tools(tiny_llamacpp_engine):
     pytest.importorskip("llama_cpp")
-    app = create_app(
-        tiny_llamacpp_engine,
-        defaults=DecodeConfig(k=4, max_new_tokens=BUDGET),
-        model_name=MODEL,
-        queue_size=4,
-        request_timeout=120,
-    )
-    with running(app) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with openai_client(tiny_llamacpp_engine, max_new_tokens=BUDGET) as client:
         for extra in ({"mode": "target"}, {"mode": "fly", "theta": 0.0, "window": 0}):
             completion = client.chat.completions.create(
                 model=MODEL,
