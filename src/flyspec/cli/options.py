@@ -410,7 +410,8 @@ def _method_options() -> list[Option]:
                 default=cfg.DEFAULT_K,
                 metavar="K",
                 help="draft block length (default 15), or auto: chosen every round from 0 (the "
-                "target alone) to 15 for the most expected tokens per second",
+                "target alone) to 15, or to 64 along a prediction, for the most expected tokens "
+                "per second",
             ),
         ),
     ]
