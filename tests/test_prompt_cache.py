@@ -119,3 +119,31 @@ def test_llamacpps_kept_state_comes_back(tiny_ggufs):
     assert sizes == []  # all of A restored, nothing read
     assert lm.cached_tokens == A
     assert torch.allclose(lm.logits([*A, 17], 1), expected, atol=1e-5)
+
+
+def test_the_usage_says_how_much_of_the_prompt_came_from_the_caches():
+    """Through the server: a prompt that comes back after another is read from the prompt
+    cache (OpenAI's ``prompt_tokens_details.cached_tokens``), and counted in the metrics."""
+    import httpx
+
+    from tests.test_server import loosening_engine, openai_client
+
+    engine = loosening_engine()
+    engine.decoder.reuse_prefix = True
+    engine.decoder.keep_prompts(2**30)
+    first = "def fibonacci(n):\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    other = "print the range of self and the rest of it"
+    with openai_client(engine, max_new_tokens=4) as client:
+
+        def cached(prompt: str) -> tuple[int, int]:
+            answer = client.completions.create(model="tiny-test", prompt=prompt, max_tokens=4)
+            usage = answer.usage
+            return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+        assert cached(first)[1] == 0  # nothing seen before
+        assert cached(other)[1] == 0
+        prompt_tokens, reused = cached(first)  # back after another: restored
+        assert reused == prompt_tokens - 1  # all but the last, which the first round reads
+        metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+    counted = [line for line in metrics.splitlines() if "cached_prompt_tokens_total{" in line]
+    assert sum(float(line.split()[-1]) for line in counted) == reused

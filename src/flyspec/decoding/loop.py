@@ -309,7 +309,7 @@ class SpeculativeDecoder:
             drafter.reset()
         context = tokens.ids
         if len(context) > 1:
-            self.target.prefill(context[:-1])
+            stats.cached_prompt_tokens = self.target.prefill(context[:-1])
             # With -k auto the draft model reads the prompt when it first needs to: to time
             # itself (the decoder's first request) or before its first block.
             if draft_lm is not None and not config.auto_k and prediction is None:

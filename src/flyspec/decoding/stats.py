@@ -77,6 +77,9 @@ class RequestStats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt positions the target did not compute: held from the request before, or
+    restored from the prompt cache."""
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_seconds: float = 0.0
     seconds: float = 0.0
@@ -166,6 +169,7 @@ class RequestStats:
             "verify_seconds": round(self.verify_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 4),
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "finish_reason": self.finish_reason,
             "deferrals_confirmed": self.deferrals("confirmed"),
             "deferrals_rolled_back": self.deferrals("rolled_back"),

@@ -277,8 +277,9 @@ class LanguageModel(Protocol):
         """Put the cache's state in the prompt cache (the end of a request)."""
         ...
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """Have the cache hold ``tokens``, which the next forward continues (no logits)."""
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Have the cache hold ``tokens``, which the next forward continues (no logits); the
+        positions it did not compute (held from before)."""
         ...
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -418,20 +419,22 @@ class CachedLM:
         return self._forward(tokens, num_logits)
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int]) -> None:
+    def prefill(self, tokens: Sequence[int]) -> int:
         """Have the cache hold ``tokens``, a prompt that the next forward continues: one
         forward over what it does not hold of them, and none where it holds them all (a
         prompt the request before left cached: its logits are not wanted, and reading its
         last position again for them would cost a forward). With a prompt cache, a kept state
-        that shares more of them than the live cache is restored first."""
+        that shares more of them than the live cache is restored first. The positions it
+        did not compute (held or restored)."""
         held = common_prefix_length(self.cached_tokens, tokens)
         if held < len(tokens) and self._prompts is not None:
             held = self._restore(tokens, held)
         if held < len(tokens):
             self._forward(tokens, 1)
-            return
+            return min(held, len(tokens) - 1)
         self.runner.crop(len(tokens))
         self._tokens = list(tokens)
+        return len(tokens)
 
     def _restore(self, tokens: Sequence[int], held: int) -> int:
         """Restore the kept state that shares more of ``tokens`` than the ``held`` positions

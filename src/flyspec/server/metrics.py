@@ -55,6 +55,11 @@ class ServerMetrics:
         self.prompt_tokens = counter(
             "flyspec_prompt_tokens", "Prompt tokens of generations run", mode
         )
+        self.cached_prompt_tokens = counter(
+            "flyspec_cached_prompt_tokens",
+            "Prompt tokens read from the prompt cache instead of computed",
+            mode,
+        )
         self.generated_tokens = counter(
             "flyspec_generated_tokens", "Tokens generated (emitted)", mode
         )
@@ -104,6 +109,7 @@ class ServerMetrics:
         self.generations.labels(mode=mode, outcome=outcome).inc()
         for counter, amount in (
             (self.prompt_tokens, stats.prompt_tokens),
+            (self.cached_prompt_tokens, stats.cached_prompt_tokens),
             (self.generated_tokens, stats.emitted),
             (self.rounds, stats.num_rounds),
             (self.drafted, stats.drafted),

@@ -33,11 +33,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def jobs_usage(jobs: Sequence) -> dict[str, Any]:
     """The usage of the finished :class:`~flyspec.server.scheduler.Job` s of one request (its
-    choices, one after another: the prompt counted once); with a prediction,
+    choices, one after another: the prompt counted once), with the prompt tokens the first
+    choice read from the prompt cache (``prompt_tokens_details.cached_tokens``); with a
+    prediction,
     ``completion_tokens_details`` says how many of the tokens drafted from it were kept
     (``accepted_prediction_tokens``) and how many were not (``rejected_prediction_tokens``)."""
     first = jobs[0]
     result: dict[str, Any] = usage(len(first.prompt_ids), sum(j.completion_tokens for j in jobs))
+    # The prompt positions read from the prompt cache, not computed (OpenAI's field).
+    result["prompt_tokens_details"] = {"cached_tokens": first.stats.cached_prompt_tokens}
     if first.prediction_ids is not None:
         result["completion_tokens_details"] = {
             # A stop string may cut the text inside a round whose tokens were all kept.
