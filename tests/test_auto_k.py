@@ -25,6 +25,7 @@ from flyspec.decoding.auto_k import (
 from flyspec.decoding.drafters import Draft
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.models.cache import CachedLM
+from flyspec.models.lean import COMPILED_MAX_TOKENS
 from tests.tiny import make_tiny_model
 
 
@@ -394,6 +395,7 @@ def test_a_predictions_run_may_go_past_k_where_long_blocks_cost_little():
     config = DecodeConfig(mode="spd", k=15, auto_k=True)
     controller = RequestAutoK(policies, config)
     assert largest_block(config, "prediction") == LONG_BLOCK == 64
+    assert COMPILED_MAX_TOKENS == LONG_BLOCK + 1  # the block and the token before it
     assert largest_block(config, "model") == largest_block(config, "prediction-found") == 15
     for _ in range(10):  # the prediction's blocks are kept whole
         observe(policies.policy(config, "prediction"), drafted=15, kept=15, verify_seconds=0.1)

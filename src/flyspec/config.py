@@ -52,6 +52,11 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: logits divided by them overflow float32 (vLLM treats
 temperatures below the same value as greedy)."""
 MAX_SEED = 2**63 - 1
+LONG_BLOCK = 64
+"""The longest block of a prediction's unbroken run (``-k auto``'s kind ``prediction``),
+whatever ``-k``: such a block costs nothing to draft and is mostly kept, so on a forward whose
+cost hardly grows with its length (a GPU) a long one pays. The compiled forward's largest size
+is one more: the block and the token before it."""
 
 LINEAR_KERNELS: tuple[str, ...] = ("onednn", "default")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp16")

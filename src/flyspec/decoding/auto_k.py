@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from flyspec.config import LONG_BLOCK
 from flyspec.decoding.stats import RoundStats
 from flyspec.models.cache import common_prefix_length
 from flyspec.support.atomic_files import write_text_atomically
@@ -49,11 +50,6 @@ PLAUSIBLE_RATE = 0.95
 default pair at K=15 (88-94% of draft tokens)."""
 COST_SMOOTHING = 0.3
 """Weight of a newly measured forward or drafting time in the running cost."""
-LONG_BLOCK = 64
-"""The longest block of a prediction's unbroken run (kind ``prediction``), whatever ``-k``:
-such a block costs nothing to draft and is mostly kept, so on a forward whose cost hardly
-grows with its length (a GPU) a long one pays. Its cost beyond the sizes measured is
-extended along the last measured segment until a round measures it."""
 
 
 def largest_block(config, kind: str) -> int:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from flyspec.config import LONG_BLOCK
 from flyspec.errors import error_line
 from flyspec.support.console import say
 
@@ -34,9 +35,10 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 _MIN_CAPACITY = 256
-COMPILED_SIZES = (1, 2, 4, 8, 16, 32, 65)
+COMPILED_SIZES = (1, 2, 4, 8, 16, 32, LONG_BLOCK + 1)
 """The forwards the compiled path runs, in new tokens: one token (a draft step), blocks of a
-few sizes up to 65 (a prediction's block of 64 and the token before it). On CUDA, where every
+few sizes up to 65 (a prediction's longest block, :data:`~flyspec.config.LONG_BLOCK`, and the
+token before it). On CUDA, where every
 size met records a CUDA graph of its own, a forward runs at the smallest of these sizes that
 holds it, padded: a few graphs whatever the block sizes chosen. Longer forwards (a prompt) run
 as in eager mode."""
