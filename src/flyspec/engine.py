@@ -78,13 +78,19 @@ class StopTextDecoder:
 
     def _held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that begins some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if stop.startswith(text[-size:]):
-                    longest = size
-                    break
-        return longest
+        return held_back(text, self.stop)
+
+
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins one of ``markers`` (but is not
+    all of it): text a streamed answer holds back until it is known not to start one."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if marker.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
 
 
 @dataclass(frozen=True)

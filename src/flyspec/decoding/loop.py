@@ -189,7 +189,7 @@ class SpeculativeDecoder:
         finally:
             request.clock.resume()
             request.stats.seconds = request.clock.elapsed()
-            if self.reuse_prefix and self.prompt_cache is not None:
+            if self.reuse_prefix:  # each model keeps its state where it has a prompt cache
                 for lm in (self.target, self.draft):
                     if lm is not None:
                         lm.keep()

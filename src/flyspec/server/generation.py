@@ -322,12 +322,13 @@ class GenerationHandler:
         """The grammar of ``response_format``'s JSON, or of the tool calls a ``tool_choice``
         requires (APIError 400 naming the field for one the grammar engine cannot use)."""
         if isinstance(body, ChatCompletionRequest) and body.calls_tools:
-            if body.tool_choice not in ("required",) and chosen_name(body.tool_choice) is None:
+            name = chosen_name(body.tool_choice)
+            if body.tool_choice != "required" and name is None:
                 return None  # auto: the model answers or calls as it likes
             try:
                 return call_grammar(
                     body.tools,
-                    name=chosen_name(body.tool_choice),
+                    name=name,
                     parallel=body.parallel_tool_calls is not False,
                     tokenizer=self.engine.grammar_tokenizer,
                 )

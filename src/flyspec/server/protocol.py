@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flyspec.server.tools import check_tool_choice, check_tools, chosen_name
+from flyspec.server.tools import NAME, check_tool_choice, check_tools, chosen_name
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -62,7 +61,6 @@ NOT_YET = (
     "verbosity",
 )
 """Chat fields refused with 400 whatever their value (docs/server.md)."""
-SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 ECHO_LIMIT = 100  # characters of a client's value repeated in an error message
 MESSAGE_LIMIT = 300  # characters of an error message built around a client's value
 
@@ -299,7 +297,7 @@ def response_format(value: Any) -> ResponseFormat | None:
     if unknown:
         raise ValueError(f"response_format.json_schema has unknown field(s): {', '.join(unknown)}")
     name = spec.get("name")
-    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError("response_format.json_schema.name must be 1 to 64 letters, digits, _ or -")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):

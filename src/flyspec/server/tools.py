@@ -30,10 +30,12 @@ from flyspec.decoding.grammar import (
     lark_json,
     lark_literal,
 )
+from flyspec.engine import held_back
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""OpenAI's rule for a name: a function's, a ``json_schema``'s."""
 
 
 @dataclass(frozen=True)
@@ -185,10 +187,18 @@ _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|\
 
 def parse_call(body: str) -> ToolCall | None:
     """A call from the JSON between the tags (None where it is no call: not JSON, no name)."""
+    return _call_of(_json_or_none(body))
+
+
+def _json_or_none(text: str) -> Any:
     try:
-        value = json.loads(body)
+        return json.loads(text)
     except ValueError:
         return None
+
+
+def _call_of(value: Any) -> ToolCall | None:
+    """The call a parsed JSON value names (None where it is no object with a ``name``)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", {})
@@ -205,18 +215,16 @@ def bare_call(text: str, names: Collection[str]) -> ToolCall | None:
     fence) with the ``name`` of one of the tools and its ``arguments``, as small models
     write in ``auto`` (seen: Qwen2.5-Coder-1.5B). None for any other answer."""
     match = _FENCE.match(text)
-    if match is None:
+    value = None if match is None else _json_or_none(match.group(1))
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"name", "arguments"}
+        or not isinstance(value["name"], str)
+        or value["name"] not in names
+        or not isinstance(value["arguments"], dict)
+    ):
         return None
-    call = parse_call(match.group(1))
-    if call is None or call.name not in names:
-        return None
-    try:
-        value = json.loads(match.group(1))
-    except ValueError:
-        return None
-    if set(value) != {"name", "arguments"} or not isinstance(value["arguments"], dict):
-        return None
-    return call
+    return _call_of(value)
 
 
 def split_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, list[ToolCall]]:
@@ -269,7 +277,7 @@ class CallStream:
         while True:
             start = self._buffer.find(OPEN)
             if start < 0:
-                keep = _partial_suffix(self._buffer, OPEN)
+                keep = held_back(self._buffer, (OPEN,))
                 released.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
@@ -319,11 +327,3 @@ class CallStream:
 def _strip_between(text: str, after_a_call: bool) -> str:
     """The line breaks between calls are no text of the answer."""
     return text.strip() if after_a_call and not text.strip() else text
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
