@@ -43,8 +43,8 @@ JSON_OBJECT_SCHEMA = {"type": "object"}
 JSON_WHITESPACE = r"(\n[ \t]{0,24}|[ \t]{1,4})"
 """The whitespace allowed between two tokens of JSON: a line break and an indentation of up
 to 24 spaces or tabs, or up to 4 spaces. Without a bound a model can loop on whitespace to
-its token budget (seen on random models: with up to 40 spaces a gap, 10 gaps took 400
-tokens); pretty-printed JSON fits, nested 12 levels at two spaces."""
+its token budget (the test suite's random models do); pretty-printed JSON fits, nested 12
+levels at two spaces."""
 
 
 def _llguidance():

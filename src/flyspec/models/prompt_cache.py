@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
-"""The default budget: 2 GiB, about 36,000 positions of the default float32 target's keys and
-values (57 KiB a position) or 75,000 in llama.cpp's 16-bit cache."""
+"""The default budget: 2 GiB, about 37,000 positions of the default float32 target's keys and
+values (56 KiB a position: 28 layers, 2 key-value heads of 128) or 75,000 in llama.cpp's
+16-bit cache, by arithmetic on the model's shapes."""
 
 
 @dataclass
