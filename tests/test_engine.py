@@ -118,3 +118,51 @@ def test_a_requested_stop_ends_the_request_and_releases_held_back_text(engine):
     assert "".join(c.text for c in chunks) == first_three
     assert chunks[-1].token is None and chunks[-1].text == first_three[-1]
     assert stats.finish_reason == "cancelled" and stats.emitted == 3
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE (GPT-2's and Qwen's kind): a character may span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(["def f(x):\n    return x  # é ü 漢字 🙂"] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style word tokenizer whose decoder drops a text's leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁def", "▁return", "▁x", "▁f(x):", "▁+", "▁1", "\n", "<unk>"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("make", [make_tiny_tokenizer, _byte_level_tokenizer, _metaspace_tokenizer])
+def test_incremental_text_is_the_whole_decode(make):
+    """Token by token, the released text (which decodes a short window per token) is what
+    decoding the whole sequence at once gives, for any sequence of ids, characters split
+    over tokens included."""
+    import random
+
+    tokenizer = make()
+    whole = lambda ids: tokenizer.decode(  # noqa: E731
+        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        decoder = StopTextDecoder(tokenizer)
+        released = "".join(decoder.add(token) for token in ids) + decoder.flush()
+        # Text ending in an unfinished character is held back until a token completes it.
+        ends = [j for j in range(len(ids) + 1) if not whole(ids[:j]).endswith("\ufffd")]
+        assert released == whole(ids[: max(ends)]), ids

@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.decoding.verify import (
+    greedy_tokens,
+    largest_values,
     loosely_accepted,
     normalized_entropy,
     sampling_probs,
@@ -40,6 +42,40 @@ def draft(tokens: list[int]) -> torch.Tensor:
 
 
 FLY = FlyConfig(window=2, theta=0.3)
+
+
+class TestRowReductions:
+    """The CPU's faster argmax and top-k give torch's own results, ties and masked rows
+    included, over a vocabulary large enough for the chunked search."""
+
+    VOCAB = 151_936
+
+    def rows(self) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randn(6, self.VOCAB, generator=generator)
+        rows[1, 5] = rows[1, 70_000] = rows[1].max() + 1  # a tie for the maximum
+        rows[2] = -math.inf  # a row the grammar masked but for three tokens
+        rows[2, [3, 90_000, 151_935]] = torch.tensor([0.5, 2.0, 1.0])
+        rows[3, 128:384] = 9.0  # the largest values all in two neighbouring chunks
+        rows[4] = rows[4].round()  # many ties
+        return rows
+
+    def test_greedy_tokens_are_torchs_argmax(self):
+        rows = self.rows()
+        assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))
+        assert torch.equal(greedy_tokens(rows[1]), rows[1].argmax())
+        assert greedy_tokens(rows[1]).shape == ()
+        assert greedy_tokens(rows).dtype == torch.long
+        half = rows.to(torch.bfloat16)  # torch's own path
+        assert torch.equal(greedy_tokens(half), half.argmax(dim=-1))
+
+    @pytest.mark.parametrize("k", [1, 3, 10])
+    @pytest.mark.parametrize("vocab", [151_936, 151_665, 40_000])
+    def test_largest_values_are_torchs_topk(self, k, vocab):
+        rows = self.rows()[:, :vocab].contiguous()
+        expected = rows.topk(k, dim=-1).values
+        assert torch.equal(largest_values(rows, k), expected)
+        assert torch.equal(largest_values(rows[None], k), expected[None])  # any leading shape
 
 
 class TestEntropy:

@@ -37,10 +37,16 @@ class StopTextDecoder:
         self.text = ""
         self.released = 0
         self.stopped = False
+        # A short window is decoded per token, not the whole: self.text holds the text of
+        # token_ids[:read], and the window starts at the tokens added before those that are
+        # new, so that a decoder that treats a text's first token apart (SentencePiece's
+        # leading space) decodes the new tokens as it does within the whole.
+        self._window = 0
+        self._read = 0
 
-    def _decode(self) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(
-            self.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
     def add(self, token: int) -> str:
@@ -48,9 +54,15 @@ class StopTextDecoder:
         if self.stopped:
             return ""
         self.token_ids.append(token)
-        text = self._decode()
-        if text.endswith("\ufffd"):
+        after = self._decode(self.token_ids[self._window :])
+        if after.endswith("\ufffd"):
             return ""
+        before = self._decode(self.token_ids[self._window : self._read])
+        if before and after.startswith(before):
+            text = self.text + after[len(before) :]
+        else:  # the window's first text is its new token's (a skipped token before it): whole
+            text = self._decode(self.token_ids)
+        self._window, self._read = self._read, len(self.token_ids)
         self.text = text
         stop_at = self._first_stop(text)
         if stop_at is not None:

@@ -21,7 +21,13 @@ from flyspec.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logp
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.request import BusyClock, Origin, Request, TokenEvent
 from flyspec.decoding.stats import RequestStats
-from flyspec.decoding.verify import Verdict, sampling_logits, verify_greedy, verify_sampling
+from flyspec.decoding.verify import (
+    Verdict,
+    greedy_tokens,
+    sampling_logits,
+    verify_greedy,
+    verify_sampling,
+)
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, DeviceTokens, LanguageModel, read_later
 from flyspec.models.prompt_cache import PromptCache
@@ -228,7 +234,7 @@ class SpeculativeDecoder:
         logits = self.target.logits(request.context, 1)
         if penalties is not None:
             logits = penalties.apply(logits)
-        token = logits[-1].argmax()  # on the device, unread
+        token = greedy_tokens(logits[-1])  # on the device, unread
         while (room := request.room()) > 0:
             request.draft(0)  # no block: times the round from here
             chosen, read = token, read_later(token)
@@ -237,7 +243,7 @@ class SpeculativeDecoder:
                 logits = self.target.step(chosen)
                 if penalties is not None:  # the context and the token not yet committed
                     logits = penalties.apply(logits[None], after=chosen.reshape(1))[0]
-                token = logits.argmax()
+                token = greedy_tokens(logits)
             value = read()
             if logits is not None:
                 self.target.record_steps([value])

@@ -118,7 +118,8 @@ class LlamaCppForward:
         return int(self._api.llama_state_get_size(self._context))
 
     def reset(self) -> None:
-        self._api.llama_memory_clear(self._memory, True)
+        # The cells freed, not zeroed: a freed cell is masked until a later token overwrites it.
+        self._api.llama_memory_clear(self._memory, False)
         self.length = 0
 
     def reserve(self, positions: int) -> None:

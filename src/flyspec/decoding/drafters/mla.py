@@ -18,6 +18,7 @@ from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
 from flyspec.decoding.drafters.base import Draft, end_index, first_unconfident, token_confidence
 from flyspec.decoding.drafters.ngram import find_ngram_continuation
 from flyspec.decoding.penalties import RequestPenalties
+from flyspec.decoding.verify import greedy_tokens
 from flyspec.models.cache import LanguageModel
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class MlaDrafter:
                 )
             if self.grammar is not None:
                 logits = self.grammar.apply(logits, after=tokens, block=proposal)
-            greedy = logits.argmax(dim=-1)
+            greedy = greedy_tokens(logits)
             matches = 0
             while matches < len(proposal) and proposal[matches] == int(greedy[matches]):
                 matches += 1

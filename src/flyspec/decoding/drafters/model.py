@@ -15,7 +15,7 @@ from flyspec.decoding.drafters.base import (
     token_confidence,
 )
 from flyspec.decoding.penalties import RequestPenalties
-from flyspec.decoding.verify import sampling_probs
+from flyspec.decoding.verify import greedy_tokens, sampling_probs
 from flyspec.models.cache import LanguageModel
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class ModelDrafter:
         """The next token ``long[1]`` from ``logits`` ``[V]``: the argmax, or a sample with
         the distribution it was drawn from ``[V]``."""
         if self.sampling.greedy:
-            return logits.argmax().reshape(1), None
+            return greedy_tokens(logits).reshape(1), None
         step_probs = sampling_probs(logits, self.sampling)
         return torch.multinomial(step_probs, 1, generator=self.generator), step_probs
 
