@@ -132,7 +132,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from flyspec.bench.forward_cost import measure_forward_cost, time_forwards  # noqa: E402
 from flyspec.bench.replay import ReplayDecoder, Trace, load_traces  # noqa: E402
 from flyspec.config import DecodeConfig, SamplingConfig  # noqa: E402
-from flyspec.decoding.auto_k import wait_for_device  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
 from flyspec.errors import error_line  # noqa: E402
@@ -143,6 +142,7 @@ from flyspec.models.cache import (  # noqa: E402
     make_forward,
 )
 from flyspec.models.lean import COMPILED_SIZES  # noqa: E402
+from flyspec.models.timing import device_clock, wait_for_device  # noqa: E402
 from flyspec.support.machine import git_commit  # noqa: E402
 
 CONFIGS = BENCHMARKS / "gpu_configs"
@@ -312,17 +312,6 @@ def fmt_count(value: float, unit: str) -> str:
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def device_clock(device: torch.device) -> Callable[[], float]:
-    """A clock that waits for the device's queued work first: read before and after a forward,
-    it times the forward itself, not its launch."""
-
-    def clock() -> float:
-        wait_for_device(device)
-        return time.perf_counter()
-
-    return clock
 
 
 def timed(device: torch.device, work: Callable[[], object]) -> float:

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from flyspec.models import default_pair_paths  # noqa: E402
 from flyspec.models.checkpoint import checkpoint_parameters  # noqa: E402
+from flyspec.support.child_server import ChildServer  # noqa: E402
 from flyspec.support.resident_memory import gib  # noqa: E402
 
 PROMPT = "def fib(n):"
@@ -50,34 +49,22 @@ def generate_peak(flyspec: str, arguments: list[str]) -> int:
         return int(report.read().strip().splitlines()[-1]) * 1024
 
 
-def serve_peak(flyspec: str, port: int = 8765) -> int:
+def serve_peak(flyspec: str) -> int:
     """The resident high-water mark of ``flyspec serve`` after its first chat request."""
-    server = subprocess.Popen(
-        [flyspec, "serve", "--port", str(port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(2)
+
+    def command(port: int) -> list[str]:
+        return [flyspec, "serve", "--port", str(port), "--log-level", "warning"]
+
+    with ChildServer("flyspec serve", command) as server:
         body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32}
         request = urllib.request.Request(
-            f"{url}/v1/chat/completions",
+            f"{server.url}/v1/chat/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         urllib.request.urlopen(request, timeout=600).read()
-        status = Path(f"/proc/{server.pid}/status").read_text()
+        status = Path(f"/proc/{server.process.pid}/status").read_text()
         return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) * 1024
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
 
 
 def main() -> int:

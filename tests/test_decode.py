@@ -2,6 +2,7 @@
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ from flyspec.config import (
     FlyConfig,
     SamplingConfig,
 )
-from flyspec.decoding.drafters import Draft, MlaDrafter, ModelDrafter, NgramDrafter
+from flyspec.decoding.drafters import Draft, Drafter, MlaDrafter, ModelDrafter, NgramDrafter
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats
 from flyspec.decoding.verify import sampling_probs
+from flyspec.errors import FlyspecError
 from flyspec.models.cache import CachedLM, common_prefix_length
 from flyspec.testing.host_reads import HostReads
 from tests.sampling import binned_distance, token_histogram
@@ -659,7 +661,7 @@ SEED_REJECTING_THE_DRAFT = 0
 """A seed whose first uniform draw (0.50) rejects the mismatching draft token by sampling."""
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Proposes the same block every round."""
 
     def __init__(self, block: list[int]) -> None:
@@ -769,3 +771,54 @@ def test_the_target_alone_runs_ahead_and_stops_where_the_rounds_did(target):
     # The next request of the decoder reads its own prompt: the step run ahead past the end
     # token is not left in what it continues.
     assert run(decoder, prompt, config) == expected
+
+
+class Counting(Drafter):
+    """Proposes a fixed block and counts what it is told (the hooks the protocol declares)."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[int, int]] = []
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context, k):
+        return Draft(tokens=torch.tensor([3] * k, dtype=torch.long))
+
+    def observe(self, num_drafted: int, num_kept: int) -> None:
+        self.observed.append((num_drafted, num_kept))
+
+
+class ProposeOnly:
+    """A drafter by shape alone that lacks the optional hooks and does not subclass."""
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context, k):
+        return Draft(tokens=torch.tensor([3] * k, dtype=torch.long))
+
+
+def test_a_drafter_is_told_each_verified_block_and_a_shapeless_one_is_refused(target):
+    decoder = SpeculativeDecoder(target)
+    counting = Counting()
+    config = DecodeConfig(mode="spd", k=3, max_new_tokens=12)
+    stats = RequestStats()
+    events = list(decoder.stream([1, 2], config, drafter=counting, stats=stats))
+    told = [(r.drafted, r.accepted) for r in stats.rounds if r.drafted]
+    assert counting.observed == told and told[0][0] == 3
+    assert sum(kept for _, kept in counting.observed) == sum(e.origin == "exact" for e in events)
+    assert Counting().plan([1, 2]) is None  # the protocol's default: the settings' kind
+    with pytest.raises(FlyspecError, match="ProposeOnly is not a drafter: subclass"):
+        list(decoder.stream([1, 2], config, drafter=ProposeOnly()))
+
+
+def test_the_loop_finds_no_drafter_method_by_name():
+    """The drafter's optional hooks are the protocol's, called as methods: nothing in the
+    decoding package looks a drafter's method up by name."""
+    import flyspec.decoding
+
+    package = Path(flyspec.decoding.__file__).parent
+    for source in package.rglob("*.py"):
+        for line in source.read_text().splitlines():
+            assert not ("getattr(" in line and "drafter" in line), f"{source.name}: {line}"

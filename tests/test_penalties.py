@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig
-from flyspec.decoding.drafters import Draft
+from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.penalties import bias_vector, penalised_logits, row_counts
 from flyspec.decoding.stats import RequestStats
@@ -137,7 +137,7 @@ def test_a_prediction_and_fly_decode_under_the_penalties(target, draft):
     assert stats.num_rounds > 0
 
 
-class BannedDrafter:
+class BannedDrafter(Drafter):
     """Proposes ``banned`` at every position: FLy with no gate and no window would keep any
     mismatch it can."""
 

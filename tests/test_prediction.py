@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flyspec.config import DecodeConfig, FlyConfig
-from flyspec.decoding.drafters import Draft, PredictionDrafter, make_drafter
+from flyspec.decoding.drafters import Draft, Drafter, PredictionDrafter, make_drafter
 from flyspec.decoding.drafters.prediction import SURE_MATCH, find_place
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.decoding.stats import RequestStats
@@ -21,7 +21,7 @@ def answer_tokens(length: int, *, start: int = 100) -> list[int]:
     return list(range(start, start + length))
 
 
-class Recorder:
+class Recorder(Drafter):
     """A fallback drafter that proposes fixed tokens and records that it was asked."""
 
     def __init__(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decoding.drafters import Draft
+from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.errors import FlyspecError
 
@@ -31,7 +31,7 @@ def reference(target) -> list[int]:
     return [event.token for event in decoder.stream(PROMPT, config)]
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the reference continuation, with the token at each output index in ``wrong``
     replaced by another one; records every request and every piece of feedback."""
 

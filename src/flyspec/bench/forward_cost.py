@@ -10,12 +10,13 @@ positions that is cropped back after every timed call.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from flyspec.models.timing import device_clock
 
 if TYPE_CHECKING:
     from flyspec.models.cache import ForwardRunner
@@ -50,7 +51,7 @@ def time_runners(
     warmup: int = 2,
     seed: int = 0,
     device: torch.device | str = "cpu",
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds of each timed forward over n new tokens after ``context_tokens`` cached ones,
     per named forward runner (:class:`~flyspec.models.cache.ForwardRunner`) and n:
@@ -59,10 +60,12 @@ def time_runners(
     The calls are interleaved over n and runners (n1 runner1, n1 runner2, n2 runner1, ...,
     then again) so that a drifting machine load hits all alike; ``warmup`` untimed rounds come
     first. Each runner is reset, fed the same context, and cropped back to it before every
-    call. Token ids are random (the cost does not depend on them).
+    call. Token ids are random (the cost does not depend on them). ``clock``: None, flyspec's
+    forward timer (:func:`flyspec.models.timing.device_clock`: it waits for the device).
     """
     if not new_tokens or min(new_tokens) < 1 or context_tokens < 1 or repeats < 1:
         raise ValueError("new_tokens, context_tokens and repeats must be >= 1")
+    clock = clock or device_clock(torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     context = torch.randint(vocab_size, (1, context_tokens), generator=generator).to(device)
     extra = torch.randint(vocab_size, (1, max(new_tokens)), generator=generator).to(device)
@@ -92,7 +95,7 @@ def time_forwards(
     repeats: int = 5,
     warmup: int = 2,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, dict[int, list[float]]]:
     """:func:`time_runners` for one model: a torch module gets one runner per forward path
     (:func:`flyspec.models.cache.make_forward`); a :class:`~flyspec.models.cache.CachedLM`
@@ -132,14 +135,14 @@ def measure_forward_cost(
     repeats: int = 5,
     warmup: int = 2,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
     forward_path: str = "lean",
 ) -> list[ForwardCost]:
     """Time one forward over n = 1 .. ``max_new_tokens`` new tokens after ``context_tokens``
     (:func:`time_forwards`, interleaved over n) with the decoder's ``forward_path``.
 
     ``clock`` may be ``time.thread_time`` to count CPU time only, which a busy machine disturbs
-    less (with one torch thread).
+    less (with one torch thread); None: :func:`flyspec.models.timing.device_clock`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -171,7 +171,7 @@ class _Planned:
     next_token: int
 
 
-class ReplayDrafter:
+class ReplayDrafter(Drafter):
     """Proposes a traced request's blocks, round by round, on the ``reference`` tokens (the
     target's greedy answer after a prompt of ``prompt_length`` tokens): the kept positions
     propose the reference's tokens, the others a wrong one. ``paying``: a drafter per source

@@ -32,6 +32,7 @@ import torch
 from flyspec.config import LONG_BLOCK
 from flyspec.decoding.stats import RoundStats
 from flyspec.models.cache import common_prefix_length
+from flyspec.models.timing import device_clock
 from flyspec.support.atomic_files import write_text_atomically
 from flyspec.support.home import flyspec_home
 from flyspec.support.machine import cpu_identity
@@ -424,19 +425,12 @@ def measure_block_costs(lm, context: Sequence[int], sizes: Iterable[int]) -> dic
     tokens after ``context``, for each n of ``sizes``: the last context token plus n - 1 copies
     of it, the shape of a verification. The context must be cached but for its last token;
     the next call with the real block reuses it (the model's cache keeps the common prefix).
-    On a GPU each forward is waited for, so that the time is the work's, not its launch's."""
+    Timed by :func:`flyspec.models.timing.device_clock`, as the bench times forwards."""
     measured: dict[int, float] = {}
     filler = list(context[-1:])
+    clock = device_clock(lm.device)
     for n in sizes:
-        started = time.perf_counter()
+        started = clock()
         lm.logits(list(context) + filler * (n - 1), n)
-        wait_for_device(lm.device)
-        measured[n] = time.perf_counter() - started
+        measured[n] = clock() - started
     return measured
-
-
-def wait_for_device(device) -> None:
-    """Wait until the work queued on ``device`` (a ``torch.device``) is done: CUDA runs it
-    asynchronously; the CPU has already done it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -176,6 +176,7 @@ class SpeculativeDecoder:
                 return
             while (room := request.room()) > 0:
                 k = request.block_size(room)
+                request.catch_up(k)
                 draft = request.draft(k)
                 if draft.unread and not config.sampling.greedy:
                     draft = self._read(draft)
@@ -280,6 +281,11 @@ class SpeculativeDecoder:
             raise FlyspecError("mode 'target' drafts nothing: give a drafter with spd or fly")
         if drafter is not None and prediction is not None:
             raise FlyspecError("give a drafter or a prediction, not both")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise FlyspecError(
+                f"{type(drafter).__name__} is not a drafter: subclass "
+                "flyspec.decoding.drafters.Drafter, or define propose, reset, plan and observe"
+            )
         stats = stats if stats is not None else RequestStats()
         stats.prompt_tokens = len(prompt_ids)
         clock = BusyClock()

@@ -8,7 +8,7 @@ Internal to :mod:`flyspec.decoding.loop` but for :class:`TokenEvent` and :data:`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -174,9 +174,8 @@ class Request:
         self.produced = 0
         self.held: Held | None = None
         self.round_index = 0
-        self._observe: Callable[[int, int], None] | None = getattr(drafter, "observe", None)
-        self._plan: Callable[[list[int]], str] | None = getattr(drafter, "plan", None)
-        self._kind = "lookup" if config.drafter == "ngram" else "model"
+        self._settings_kind = "lookup" if config.drafter == "ngram" else "model"
+        self._kind = self._settings_kind
         self._catch_up_seconds = 0.0
         self._draft_seconds = 0.0
         self._drafted_at = 0.0
@@ -197,14 +196,19 @@ class Request:
         alone = self.round_index == 0 and self.config.first_token_alone
         if self.auto is None:
             return 0 if alone else min(self.config.k, room - 1)
-        if self._plan is not None:
-            self._kind = self._plan(self.context)
+        self._kind = self.drafter.plan(self.context) or self._settings_kind
         limit = 0 if alone else min(largest_block(self.config, self._kind), room - 1)
-        k = self.auto.choose(self._kind, limit, at_least=0 if self.held is None else self.held.need)
+        return self.auto.choose(
+            self._kind, limit, at_least=0 if self.held is None else self.held.need
+        )
+
+    def catch_up(self, k: int) -> None:
+        """Before a block of ``k`` the draft model drafts under ``-k auto``: have it read the
+        context it skipped in the rounds it did not draft (:func:`catch_up`), timed apart
+        from the per-token drafting cost that chooses the block."""
         self._catch_up_seconds = 0.0
-        if k > 0 and self._kind == "model" and self.draft_lm is not None:
+        if self.auto is not None and k > 0 and self._kind == "model" and self.draft_lm is not None:
             self._catch_up_seconds = catch_up(self.draft_lm, self.context)
-        return k
 
     def draft(self, k: int) -> Draft:
         """Up to ``k`` draft tokens after the context (none for ``k == 0``), cut before the
@@ -266,8 +270,8 @@ class Request:
         """Feedback of the committed round: to a drafter that adapts to what is kept, and to
         ``-k auto`` (the round's costs, and the acceptance of this round and of the deferral
         it settled, as committed)."""
-        if self._observe is not None and len(draft):
-            self._observe(len(draft), verdict.num_kept)
+        if len(draft):
+            self.drafter.observe(len(draft), verdict.num_kept)
         if self.auto is not None:
             self.auto.learn(
                 self.stats.rounds,

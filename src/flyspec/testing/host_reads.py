@@ -2,7 +2,9 @@
 CUDA device (``int(t)``, ``t.item()``, ``t.tolist()``, ``bool(t)``, ``t.nonzero()``, copies to
 the CPU), and the tensors made from Python values (``torch.tensor``, ``torch.as_tensor``),
 which on CUDA are copies from the host, waiting unless pinned: on the CPU nothing waits, but
-their number per round is what a GPU would pay."""
+their number per round is what a GPU would pay. numpy's array interface (``np.asarray``) on a
+CPU tensor, which shares its memory and which no path for a GPU takes
+(:func:`flyspec.decoding.verify.greedy_tokens`), is not a read."""
 
 from __future__ import annotations
 

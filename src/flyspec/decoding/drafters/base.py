@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -62,21 +62,32 @@ class Draft:
         )
 
 
+@runtime_checkable
 class Drafter(Protocol):
-    """Anything that proposes a continuation. May return fewer than ``k`` tokens (even none).
+    """Anything that proposes a continuation: :meth:`propose` and :meth:`reset`, and two
+    optional hooks (:meth:`plan`, :meth:`observe`) whose defaults a subclass inherits. A
+    drafter that does not subclass it defines all four."""
 
-    A drafter may also define ``observe(num_drafted: int, num_kept: int)``: the decoder then
-    tells it, after each verified block, how many of the tokens it proposed were kept (exactly
-    or loosely), e.g. to adapt how many it drafts next. And ``plan(context) -> str``: what kind
-    of block it would propose next (``-k auto`` keeps one set of estimates per kind, as blocks
-    of different kinds cost and keep differently).
-    """
-
-    def propose(self, context: Sequence[int], k: int) -> Draft: ...
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to ``k`` tokens to follow ``context``; fewer (even none) where it has no more."""
+        ...
 
     def reset(self) -> None:
         """Forget per-request state (caches) before a new request."""
         ...
+
+    def plan(self, context: Sequence[int]) -> str | None:
+        """The kind of block it would propose next after ``context`` (``-k auto`` keeps one
+        set of estimates per kind, as blocks of different kinds cost and keep differently);
+        None, the default: the kind its settings name (``model``, or ``lookup`` for n-gram
+        drafting)."""
+        return None
+
+    def observe(self, num_drafted: int, num_kept: int) -> None:
+        """Told after each verified block how many of the ``num_drafted`` tokens it proposed
+        were kept (exactly or loosely), e.g. to adapt how many it drafts next; by default
+        nothing is done with it."""
+        return None
 
 
 def token_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MLA_PROPOSALS
-from flyspec.decoding.drafters.base import Draft, end_index, first_unconfident, token_confidence
+from flyspec.decoding.drafters.base import (
+    Draft,
+    Drafter,
+    end_index,
+    first_unconfident,
+    token_confidence,
+)
 from flyspec.decoding.drafters.ngram import find_ngram_continuation
 from flyspec.decoding.penalties import RequestPenalties
 from flyspec.decoding.verify import greedy_tokens
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
     from flyspec.decoding.grammar import RequestGrammar
 
 
-class MlaDrafter:
+class MlaDrafter(Drafter):
     """Greedy model drafting that verifies prompt-lookup proposals in its own forwards (under
     the request's ``penalties`` and ``grammar`` where given, as the model drafter; a proposal
     is cut before the first token the grammar forbids)."""

@@ -10,6 +10,7 @@ import torch
 from flyspec.config import SamplingConfig
 from flyspec.decoding.drafters.base import (
     Draft,
+    Drafter,
     first_unconfident,
     through_end,
     token_confidence,
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from flyspec.decoding.grammar import RequestGrammar
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """The draft model decodes ``k`` tokens: greedily, or sampled at ``temperature > 0`` (then
     the block carries the distributions it was sampled from, for lossless verification).
     The block ends after an ``end_tokens`` token (EOS), and with ``min_confidence > 0`` after

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from flyspec.config import DEFAULT_MAX_NGRAM
-from flyspec.decoding.drafters.base import Draft, DraftSource, through_end
+from flyspec.decoding.drafters.base import Draft, Drafter, DraftSource, through_end
 from flyspec.models.cache import DeviceTokens
 
 
@@ -71,7 +71,7 @@ def block_from(
     return Draft(tokens=tokens, source=source, ids=tuple(ids))
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Parameter-free drafting from the context itself (no model); the block ends after an
     ``end_tokens`` token (EOS). ``context``: the request's context on the device, which its
     blocks are cut from where they continue it (none: blocks are copied from the host)."""

@@ -93,7 +93,7 @@ def _matched_before(prediction: np.ndarray, answer: np.ndarray, index: int) -> i
     return int(unequal[0]) if unequal.size else span
 
 
-class PredictionDrafter:
+class PredictionDrafter(Drafter):
     """Proposes the prediction's next tokens where the answer stands in it, else prompt
     lookup, else ``fallback`` (a drafter, or None for lookup alone).
 
