@@ -44,7 +44,7 @@ def one_process() -> dict:
         tokens = sum(1 for _ in engine.decoder.stream(prompt, config, stats=stats))
         speeds[name] = tokens / (time.perf_counter() - started)
         speeds[f"{name}_tau"] = stats.tau
-    speeds["kept_costs"] = str(engine.decoder.auto_k.store)
+    speeds["kept_costs"] = str(engine.decoder.auto_k_store.path)
     return speeds
 
 

@@ -9,19 +9,19 @@ import json
 import pytest
 import torch
 
-from flyspec.config import DecodeConfig, FlyConfig
-from flyspec.decoding.auto_k import (
-    LONG_BLOCK,
+from flyspec.config import LONG_BLOCK, DecodeConfig, FlyConfig
+from flyspec.decoding.auto_k.measure import measure_costs
+from flyspec.decoding.auto_k.policy import (
     PROBE_AFTER,
     AutoK,
     AutoKPolicies,
     ForwardCosts,
     RequestAutoK,
-    costs_store,
     expected_tokens,
     largest_block,
     probe_sizes,
 )
+from flyspec.decoding.auto_k.store import costs_store
 from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.loop import SpeculativeDecoder
 from flyspec.models.cache import CachedLM
@@ -363,7 +363,7 @@ def test_the_cost_probe_stays_within_the_context():
 def test_on_a_gpu_the_cost_probe_times_finished_forwards(monkeypatch):
     """CUDA runs a forward asynchronously: the clock (flyspec's forward timer) waits for the
     device before and after each timed forward, so that the time is that forward's alone."""
-    from flyspec.decoding.auto_k import measure_block_costs
+    from flyspec.decoding.auto_k.measure import measure_block_costs
 
     calls = []
 
@@ -426,23 +426,24 @@ def test_measured_costs_are_kept_for_the_next_process(tmp_path):
     context = [5, 17, 33, 8, 60]
     config = DecodeConfig(mode="spd", k=6, auto_k=True)
     store = costs_store({"target": "tiny"}, home=tmp_path)
-    assert store.parent == tmp_path / "forward-costs"
+    assert store.path.parent == tmp_path / "forward-costs"
     assert store != costs_store({"target": "other"}, home=tmp_path)
-    first = AutoKPolicies(store=store)
+    first = AutoKPolicies()
     target.logits(context[:-1])
-    first.measure(target, context, config)
-    assert store.is_file() and target.forward_calls > 1
+    measure_costs(first, target, context, config, store=store)
+    assert store.path.is_file() and target.forward_calls > 1
     # Another process, the same machine and models: no forward to measure.
-    second, calls = AutoKPolicies(store=store), target.forward_calls
-    second.measure(target, context, config)
+    second, calls = AutoKPolicies(), target.forward_calls
+    measure_costs(second, target, context, config, store=store)
     assert target.forward_calls == calls
     assert second.block_costs.seconds == first.block_costs.seconds
     # A larger -k measures only the sizes not kept; a damaged file is measured anew.
-    AutoKPolicies(store=store).measure(target, context, config.with_updates(k=12))
-    assert set(probe_sizes(13)) <= {int(n) for n in json.loads(store.read_text())["seconds"]}
-    store.write_text("{not json")
-    third = AutoKPolicies(store=store)
-    third.measure(target, context, config)
+    measure_costs(AutoKPolicies(), target, context, config.with_updates(k=12), store=store)
+    kept = json.loads(store.path.read_text())["seconds"]
+    assert set(probe_sizes(13)) <= {int(n) for n in kept}
+    store.path.write_text("{not json")
+    third = AutoKPolicies()
+    measure_costs(third, target, context, config, store=store)
     assert target.forward_calls > calls and third.block_costs is not None
 
 
@@ -455,8 +456,8 @@ def test_an_engine_keeps_its_costs_under_flyspec_home(tiny_ggufs):
     settings = LlamaCppConfig(context=512, threads=1)
     load = dict(target=str(target_path), draft=str(draft_path), backend="llamacpp")
     engine = Engine.load(**load, llamacpp=settings)
-    store = engine.decoder.auto_k.store
-    assert store.parent == flyspec_home() / "forward-costs"
+    store = engine.decoder.auto_k_store
+    assert store.path.parent == flyspec_home() / "forward-costs"
     # Other threads run other forwards: kept apart.
     other = Engine.load(**load, llamacpp=LlamaCppConfig(context=512, threads=2))
-    assert other.decoder.auto_k.store != store
+    assert other.decoder.auto_k_store != store

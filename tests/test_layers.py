@@ -237,3 +237,25 @@ def test_applications_use_no_argparse():
         if name.startswith(APPLICATIONS) and "argparse" in path.read_text(encoding="utf-8")
     ]
     assert users == []
+
+
+def top_level_imports(name: str) -> set[str]:
+    """The top-level packages ``name`` imports (``torch``, ``json``, ``flyspec``...)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_auto_k_policy_runs_no_model_and_touches_no_file():
+    """``-k auto``'s policy is arithmetic on the costs and acceptance it is given: neither it
+    nor what it imports brings in model code (torch included), the measurer, the store, or
+    anything that reads or writes files."""
+    policy = "flyspec.decoding.auto_k.policy"
+    assert imports_of(policy) == {"flyspec.config", "flyspec.decoding.stats"}
+    for name in (policy, "flyspec.decoding.stats"):
+        outside = top_level_imports(name) - {"flyspec", "__future__"}
+        assert not outside & {"torch", "numpy", "json", "os", "pathlib", "shutil", "io"}, name

@@ -170,8 +170,8 @@ class Engine:
         """Keep ``-k auto``'s measured forward costs under ``$FLYSPEC_HOME`` for these models,
         kernels and ``settings`` (what else their speed depends on) on this machine: a later
         process starts from them instead of probing
-        (:func:`flyspec.decoding.auto_k.costs_store`)."""
-        from flyspec.decoding.auto_k import costs_store
+        (:func:`flyspec.decoding.auto_k.store.costs_store`)."""
+        from flyspec.decoding.auto_k.store import costs_store
         from flyspec.models.identity import model_identity
 
         names = {"target": self.target_name, "draft": self.draft_name}
@@ -180,7 +180,7 @@ class Engine:
             "kernels": self.kernels,
             **settings,
         }
-        self.decoder.auto_k.store = costs_store(identity)
+        self.decoder.auto_k_store = costs_store(identity)
 
     @property
     def target_model(self) -> torch.nn.Module | None:

@@ -13,7 +13,9 @@ from collections.abc import Collection, Iterator, Sequence
 import torch
 
 from flyspec.config import DecodeConfig, SamplingConfig
-from flyspec.decoding.auto_k import AutoKPolicies, RequestAutoK, largest_block
+from flyspec.decoding.auto_k.measure import measure_costs
+from flyspec.decoding.auto_k.policy import AutoKPolicies, RequestAutoK, largest_block
+from flyspec.decoding.auto_k.store import CostStore
 from flyspec.decoding.drafters import Draft, Drafter, make_drafter
 from flyspec.decoding.drafters.base import through_end
 from flyspec.decoding.grammar import Grammar, RequestGrammar
@@ -123,6 +125,7 @@ class SpeculativeDecoder:
         self.draft = _language_model(draft, forward_path) if draft is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.auto_k = AutoKPolicies()  # what -k auto learns, across requests
+        self.auto_k_store: CostStore | None = None  # where its costs are kept between processes
         self.vocab_size = self.target.vocab_size
         self._end_token_tensors: dict[torch.device, torch.Tensor] = {}
         self.prompt_cache: PromptCache | None = None
@@ -329,7 +332,14 @@ class SpeculativeDecoder:
         stats.prefill_seconds = clock.elapsed()
         auto = None
         if config.auto_k and drafter is not None:
-            self.auto_k.measure(self.target, context, config, draft_lm=draft_lm)
+            measure_costs(
+                self.auto_k,
+                self.target,
+                context,
+                config,
+                draft_lm=draft_lm,
+                store=self.auto_k_store,
+            )
             auto = RequestAutoK(self.auto_k, config)
         return Request(
             tokens=tokens,

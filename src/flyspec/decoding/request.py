@@ -15,7 +15,8 @@ from typing import Literal
 import torch
 
 from flyspec.config import DecodeConfig
-from flyspec.decoding.auto_k import RequestAutoK, catch_up, largest_block
+from flyspec.decoding.auto_k.measure import catch_up
+from flyspec.decoding.auto_k.policy import RequestAutoK, largest_block
 from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.grammar import RequestGrammar
 from flyspec.decoding.logprobs import TokenLogprob, token_logprobs
@@ -189,7 +190,7 @@ class Request:
         """K for the next round: the configured one within the budget (the block and its
         correction or bonus fit in ``room``), or ``-k auto``'s choice below that, never fewer
         than the draft tokens a held deferral needs to be decided; a prediction's run may
-        go past ``-k`` there (:func:`~flyspec.decoding.auto_k.largest_block`); none in the
+        go past ``-k`` there (:func:`~flyspec.decoding.auto_k.policy.largest_block`); none in the
         first round of a request whose first token comes alone."""
         if self.drafter is None:
             return 0

@@ -1,41 +1,16 @@
-"""The block size chosen every round (``-k auto``): the K, from 0 (the target alone) to the
-largest allowed, that gives the most expected tokens per second.
-
-A round that drafts K tokens costs ``C(K) = K * d + V(K + 1)``: ``d`` seconds per drafted token
-and ``V(n)``, one target forward over n tokens. It commits ``E(K) = 1 + sum_{j=1..K}
-prod_{i<=j} p_i(K)`` tokens on average, where ``p_i(K)`` is the chance that draft position
-``i`` is kept once the ones before it were: kept exactly, or (FLy) loosely, which needs the
-deferred window to fit in the block (``i + W <= K``; any K with deferral). The policy picks
-``argmax E(K) / C(K)``, so where no block pays it decodes with the target alone.
-
-``V`` starts from a measured table (two forwards per size over the first request's context,
-the faster kept: :meth:`AutoKPolicies.measure`) and, like ``d`` and the per-position rates,
-follows what the rounds measure; the estimates are shared by the requests of one decoder, each
-starting from what the ones before it learnt. Rounds at K=0 teach nothing
-about acceptance, so after :data:`PROBE_AFTER` of them in a row one round drafts again at the
-best K above 0, where drafting could pay at a plausible acceptance (:meth:`AutoK.could_pay`);
-each probe that leaves K=0 still best doubles the wait before the next.
-"""
+"""``-k auto``'s policy: from the forward costs and the acceptance seen so far, the K of the
+next round. Pure arithmetic on numbers it is given: it runs no model and reads no file (the
+costs come from :mod:`~flyspec.decoding.auto_k.measure`, kept by
+:mod:`~flyspec.decoding.auto_k.store`)."""
 
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
 
 from flyspec.config import LONG_BLOCK
 from flyspec.decoding.stats import RoundStats
-from flyspec.models.cache import common_prefix_length
-from flyspec.models.timing import device_clock
-from flyspec.support.atomic_files import write_text_atomically
-from flyspec.support.home import flyspec_home
-from flyspec.support.machine import cpu_identity
 
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""
@@ -254,60 +229,14 @@ class AutoK:
 @dataclass
 class AutoKPolicies:
     """What ``-k auto`` learns, kept across requests: the target's forward costs
-    (``block_costs``), the draft model's seconds per token, and one :class:`AutoK` per set of
-    settings and kind of block (``model``, ``lookup``, ``prediction``, ... as the drafter's
+    (``block_costs``, measured by :func:`~flyspec.decoding.auto_k.measure.measure_costs`),
+    the draft model's seconds per token, and one :class:`AutoK` per set of settings and kind
+    of block (``model``, ``lookup``, ``prediction``, ... as the drafter's
     ``plan`` names them: blocks of different kinds cost and keep differently)."""
 
     block_costs: ForwardCosts | None = None
     draft_token_seconds: float = 0.0
     policies: dict[tuple, AutoK] = field(default_factory=dict)
-    store: Path | None = None
-    """Where the measured costs are kept for the next process on the same machine and models
-    (:func:`costs_store`; None: measured in each process)."""
-
-    def measure(self, target, context: Sequence[int], config, *, draft_lm=None) -> None:
-        """Measure what ``-k auto`` chooses from, once, and keep it (what one request learns,
-        the next starts from): ``target``'s forward costs over ``context`` for the sizes not
-        yet measured (each size twice, keeping the faster: the first forwards of a process
-        may run cold); ``draft_lm``'s seconds per token where it drafts (it reads the context
-        first). ``context`` must be cached but for its last token. With a :attr:`store`, the
-        costs an earlier process measured there count as measured, and what is measured
-        here is added to it."""
-        if self.block_costs is None and self.store is not None:
-            self._load()
-        largest = min(config.k, config.max_new_tokens - 1) + 1
-        room = target.context_length
-        sizes = probe_sizes(largest, room=None if room is None else room - len(context) + 1)
-        known = {} if self.block_costs is None else self.block_costs.seconds
-        measured = False
-        if not set(sizes) <= set(known):
-            first = measure_block_costs(target, context, sizes)
-            second = measure_block_costs(target, context, sizes)
-            known = {**known, **{n: min(first[n], second[n]) for n in sizes}}
-            self.block_costs = ForwardCosts(known)
-            measured = True
-        if draft_lm is not None and self.draft_token_seconds == 0:
-            catch_up(draft_lm, context)
-            self.draft_token_seconds = measure_block_costs(draft_lm, context, [1])[1]
-            measured = True
-        if measured and self.store is not None:
-            self._save()
-
-    def _load(self) -> None:
-        """The costs kept in :attr:`store`, where there are (a damaged file is measured
-        anew)."""
-        try:
-            kept = json.loads(self.store.read_text())
-            seconds = {int(n): float(s) for n, s in kept["seconds"].items()}
-            self.block_costs = ForwardCosts(seconds) if seconds else None
-            self.draft_token_seconds = float(kept.get("draft_token_seconds", 0.0))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            self.block_costs, self.draft_token_seconds = None, 0.0
-
-    def _save(self) -> None:
-        seconds = {} if self.block_costs is None else self.block_costs.seconds
-        kept = {"seconds": seconds, "draft_token_seconds": self.draft_token_seconds}
-        write_text_atomically(self.store, json.dumps(kept, indent=1) + "\n")
 
     def policy(self, config, kind: str) -> AutoK:
         """The policy of ``config``'s settings (a :class:`~flyspec.config.DecodeConfig`) for
@@ -370,40 +299,6 @@ class RequestAutoK:
             self._chose[settled].observe_round(rounds[settled])
 
 
-def costs_store(identity: Mapping, home: Path | None = None) -> Path:
-    """Where ``-k auto``'s measured costs are kept for the machine and the models that
-    ``identity`` names (whatever the forwards' speed depends on: the models and their
-    kernels, the backend and its threads); this machine's CPU, torch and GPU are added here.
-    Under ``$FLYSPEC_HOME/forward-costs``."""
-    cpu, flags = cpu_identity()
-    machine = {
-        "cpu": cpu,
-        "flags": flags,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available()
-        else [],
-    }
-    text = json.dumps({"models": identity, "machine": machine}, sort_keys=True, default=str)
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return flyspec_home(home) / "forward-costs" / f"{key}.json"
-
-
-def catch_up(draft_lm, context: Sequence[int]) -> float:
-    """Have ``draft_lm`` (a :class:`~flyspec.models.cache.LanguageModel` that drafts only some
-    blocks) read the part of ``context`` it has not seen: the prompt, the rounds it did not
-    draft. A draft at most two positions behind (after a drafting round: the correction, or
-    the last draft token and the bonus) reads them in its first drafting forward, as with a
-    fixed K. Its seconds."""
-    seen = common_prefix_length(draft_lm.cached_tokens, context)
-    if len(context) - seen <= 2:
-        return 0.0
-    started = time.perf_counter()
-    draft_lm.prefill(list(context[:-1]))
-    return time.perf_counter() - started
-
-
 def _smooth(before: float, measured: float) -> float:
     return measured if before <= 0 else (1 - COST_SMOOTHING) * before + COST_SMOOTHING * measured
 
@@ -418,19 +313,3 @@ def probe_sizes(max_n: int, *, room: int | None = None) -> list[int]:
         sizes.append(n)
         n *= 2
     return [*sizes, top]
-
-
-def measure_block_costs(lm, context: Sequence[int], sizes: Iterable[int]) -> dict[int, float]:
-    """Seconds of one forward of ``lm`` (a :class:`~flyspec.models.cache.LanguageModel`) over n
-    tokens after ``context``, for each n of ``sizes``: the last context token plus n - 1 copies
-    of it, the shape of a verification. The context must be cached but for its last token;
-    the next call with the real block reuses it (the model's cache keeps the common prefix).
-    Timed by :func:`flyspec.models.timing.device_clock`, as the bench times forwards."""
-    measured: dict[int, float] = {}
-    filler = list(context[-1:])
-    clock = device_clock(lm.device)
-    for n in sizes:
-        started = clock()
-        lm.logits(list(context) + filler * (n - 1), n)
-        measured[n] = clock() - started
-    return measured
