@@ -3,10 +3,11 @@
 # its n-gram speculation, set beside flyspec on the same GGUF files, on the humaneval-edit task
 # (the first 8 problems, chat, up to 384 new tokens, greedy).
 #   1. Three interleaved passes (medians and ranges) of the settings the goals compare:
-#      llama-server plain and ngram-mod, flyspec's loop in mode target on llama.cpp, and
-#      flyspec's edit path (the code as the prediction, exact, -k auto).
-#   2. One pass of every other setting: llama-server's ngram-simple and draft model, the
-#      binding's plain decoding, and flyspec's prediction path at K=15, FLy and with the draft.
+#      llama-server plain and with both its n-gram speculations (ngram-mod, ngram-simple at
+#      16), flyspec's loop in mode target on llama.cpp, and flyspec's edit path (the code as
+#      the prediction, exact, -k auto).
+#   2. One pass of every other setting: llama-server's draft model, the binding's plain
+#      decoding, and flyspec's prediction path at K=15, FLy and with the draft.
 # Needs scripts/setup.sh --llamacpp (which builds llama-server) and flyspec models pull --gguf.
 # About 50 minutes on 2 cores. Usage: benchmarks/llama_server_table.sh [OUTPUT_PREFIX]
 set -euo pipefail
@@ -14,8 +15,8 @@ cd "$(dirname "$0")/.."
 out="${1:-results/bench-llama-server}"
 common=(--dataset humaneval-edit --limit 8 --max-tokens 384)
 .venv/bin/flyspec bench "${common[@]}" --repeats 3 --output "$out-repeats" \
-    --methods llama-server,llama-server-ngram-mod,llamacpp-flyspec-target,llamacpp-predict@auto
-methods="llama-server,llama-server-ngram-mod,llama-server-ngram-simple@16,llama-server-draft@8"
+    --methods llama-server,llama-server-ngram-mod,llama-server-ngram-simple@16,llamacpp-flyspec-target,llamacpp-predict@auto
+methods="llama-server,llama-server-draft@8"
 methods="$methods,llamacpp-target,llamacpp-predict,llamacpp-fly-predict@auto"
 methods="$methods,llamacpp-predict-draft@auto"
 .venv/bin/flyspec bench "${common[@]}" --output "$out-all" --methods "$methods"
