@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding.stats import RequestStats, RoundStats
-from flyspec.engine import FIM_TOKENS, Engine, TextChunk
+from flyspec.engine import FIM_TOKENS, REPOSITORY_TOKENS, Engine, TextChunk
 from flyspec.server.app import create_app
 from tests.tiny import make_tiny_model, make_tiny_tokenizer
 
@@ -621,10 +621,12 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_answer(client, tiny_engin
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
-def fim_engine() -> Engine:
-    """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens."""
-    tokenizer = make_tiny_tokenizer(VOCAB - 3)
-    tokenizer.add_tokens(list(FIM_TOKENS[0]), special_tokens=True)
+def fim_engine(*, repository: bool = False) -> Engine:
+    """A tiny engine whose tokenizer has Qwen2.5-Coder's fill-in-the-middle tokens, and with
+    ``repository`` its repository tokens too."""
+    special = [*FIM_TOKENS[0], *(REPOSITORY_TOKENS[0] if repository else ())]
+    tokenizer = make_tiny_tokenizer(VOCAB - len(special))
+    tokenizer.add_tokens(special, special_tokens=True)
     assert len(tokenizer) == VOCAB
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     target = make_tiny_model(vocab_size=VOCAB, seed=2, num_layers=2, **ids)
@@ -651,6 +653,64 @@ def test_a_suffix_fills_in_the_middle_through_the_models_tokens(client):
     refused = client.post("/v1/completions", json={"prompt": PROMPT, "suffix": "x"})
     assert_error(refused, 400, "suffix")
     assert "no fill-in-the-middle tokens" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("repository", [False, True])
+def test_llama_servers_infill_fills_in_the_middle_with_the_projects_files(repository, client):
+    """``/infill`` as llama.cpp's editor plugins send it: the project's other files before
+    the gap (in the repository format where the model has one), the middle's start after
+    it, llama.cpp's own fields taken; the answer in llama-server's shape, whole or streamed,
+    the same text as the engine's own."""
+    engine = fim_engine(repository=repository)
+    prefix, suffix, start = "def fibonacci(n):\n    ", "\n    return a\n", "a"
+    files = [("util.py", "import os\n"), ("main.py", "print(1)\n")]
+    ids = engine.encode_infill(prefix, suffix, files=files, middle=start)
+    before, after, middle = (engine.tokenizer.convert_tokens_to_ids(t) for t in FIM_TOKENS[0])
+    assert ids.count(before) == ids.count(after) == ids.count(middle) == 1
+    assert engine.tokenizer.decode(ids[ids.index(middle) + 1 :]) == start
+    separator = engine.tokenizer.convert_tokens_to_ids(REPOSITORY_TOKENS[0][1])
+    assert ids.count(separator) == (len(files) + 1 if repository else 0)
+    context = engine.tokenizer.decode(ids[: ids.index(before)], skip_special_tokens=True)
+    assert "util.py" in context and "print(1)" in context
+    assert engine.encode_infill(prefix, suffix) == ids[ids.index(before) : ids.index(middle) + 1]
+    app = create_app(engine, defaults=DecodeConfig(mode="fly", k=4), model_name=MODEL)
+    config = DecodeConfig(mode="spd", k=4, max_new_tokens=12)
+    expected = engine.generate(ids, config).text
+    body = {
+        "input_prefix": prefix,
+        "input_suffix": suffix,
+        "input_extra": [{"filename": name, "text": text} for name, text in files],
+        "prompt": start,
+        "n_predict": 12,
+        "mode": "spd",
+        "k": 4,
+        "cache_prompt": True,  # llama.cpp's own settings: taken, without effect here
+        "samplers": ["top_k", "top_p", "temperature"],
+        "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 1000,
+    }
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as infill:
+        answer = infill.post("/infill", json=body)
+        assert answer.status_code == 200, answer.text
+        result = answer.json()
+        assert result["content"] == expected and result["stop"] is True
+        assert result["tokens_evaluated"] == len(ids) and 0 < result["tokens_predicted"] <= 12
+        assert result["timings"]["predicted_n"] == result["tokens_predicted"]
+        assert result["speculative"]["mode"] == "spd"
+        with infill.stream("POST", "/infill", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert "".join(e["content"] for e in events) == expected
+        assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+        for field, value, param in [
+            ("suffix", "x", "suffix"),
+            ("input_extra", [{"name": "a.py"}], "input_extra.0.name"),
+            ("n", 2, "n"),
+            ("slot_save", True, "slot_save"),
+        ]:
+            assert_error(infill.post("/infill", json={**body, field: value}), 400, param)
+    # A model without fill-in-the-middle tokens: 400, naming the field.
+    refused = client.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix})
+    assert_error(refused, 400, "input_prefix")
 
 
 # ---------------------------------------------------------------- bad input

@@ -288,11 +288,12 @@ def test_openai_client_with_a_wrong_or_missing_key(keyed_url, key):
         oai.models.list(extra_headers=headers)
 
 
-def test_key_is_checked_on_every_v1_path_and_only_there(keyed_url):
+def test_key_is_checked_on_every_v1_path_and_infill_and_only_there(keyed_url):
     with httpx.Client(base_url=keyed_url, timeout=POLL_LIMIT) as client:
         for method, path in (
             ("POST", COMPLETIONS),
             ("POST", CHAT),
+            ("POST", "/infill"),  # llama-server's route generates too
             ("GET", "/v1/models"),
             ("GET", f"/v1/models/{MODEL}"),
             ("GET", "/v1/no-such-route"),

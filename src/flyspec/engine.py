@@ -339,11 +339,21 @@ class Engine:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+    def encode_infill(
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        files: Sequence[tuple[str, str]] = (),
+        middle: str = "",
+    ) -> list[int]:
         """Token ids of a fill-in-the-middle prompt: the text before the gap and the text
         after it, around the model's own FIM tokens, prefix first (the order Qwen2.5-Coder
-        and StarCoder were trained with); the answer is the middle. FlyspecError for a
-        tokenizer with none of the known FIM tokens."""
+        and StarCoder were trained with); the answer is the middle, which ``middle`` starts.
+        ``files``: ``(name, text)`` of other files of the project, put before, in the
+        model's repository format where it has one (``<|repo_name|>``, ``<|file_sep|>`` and a
+        file's name on its first line), else as text, each file's name on a line before it.
+        FlyspecError for a tokenizer with none of the known FIM tokens."""
         marks = fim_tokens(self.tokenizer)
         if marks is None:
             known = "; ".join(" ".join(family) for family in FIM_TOKENS)
@@ -351,12 +361,22 @@ class Engine:
                 f"this model has no fill-in-the-middle tokens (known: {known}): send the "
                 "prompt without a suffix"
             )
-        before, after, middle = marks
+        before, after, answer = marks
 
         def text(part: str) -> list[int]:
-            return list(self.tokenizer.encode(part, add_special_tokens=False))
+            return list(self.tokenizer.encode(part, add_special_tokens=False)) if part else []
 
-        return [before, *text(prefix), after, *text(suffix), middle]
+        context: list[int] = []
+        repository = repository_tokens(self.tokenizer)
+        if files and repository is not None:
+            repo, separator = repository
+            context = [repo, *text("project\n")]
+            for name, content in files:
+                context += [separator, *text(f"{name}\n{content}")]
+            context += [separator, *text("file\n")]
+        elif files:
+            context = text("".join(f"{name}\n{content}\n\n" for name, content in files))
+        return [*context, before, *text(prefix), after, *text(suffix), answer, *text(middle)]
 
     def render_messages(self, messages: Sequence[dict], *, tools: Sequence[dict] = ()) -> str:
         """A conversation as the tokenizer's chat template writes it, ending where the
@@ -520,6 +540,22 @@ FIM_TOKENS = (
 )
 """The fill-in-the-middle tokens of the model families flyspec knows: before the prefix,
 before the suffix, before the middle (the answer)."""
+
+
+REPOSITORY_TOKENS = (
+    ("<|repo_name|>", "<|file_sep|>"),  # Qwen2.5-Coder
+    ("<reponame>", "<file_sep>"),  # StarCoder
+)
+"""The tokens of a repository-level prompt: before the project's name, before each file."""
+
+
+def repository_tokens(tokenizer) -> tuple[int, int] | None:
+    """The ids of the first pair of :data:`REPOSITORY_TOKENS` the tokenizer has, or None."""
+    vocabulary = tokenizer.get_vocab()
+    for repo, separator in REPOSITORY_TOKENS:
+        if repo in vocabulary and separator in vocabulary:
+            return vocabulary[repo], vocabulary[separator]
+    return None
 
 
 def fim_tokens(tokenizer) -> tuple[int, int, int] | None:

@@ -36,8 +36,10 @@ from flyspec.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, Met
 from flyspec.server.protocol import (
     CHAT,
     COMPLETIONS,
+    INFILL,
     ChatCompletionRequest,
     CompletionRequest,
+    InfillRequest,
 )
 from flyspec.server.scheduler import GenerationQueue
 
@@ -199,7 +201,8 @@ def _add_middlewares(
 
 
 def _add_generation_routes(app: FastAPI, server: GenerationHandler) -> None:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    """``POST /v1/completions``, ``POST /v1/chat/completions`` and llama-server's
+    ``POST /infill``."""
 
     @app.post(COMPLETIONS, openapi_extra=_request_body_schema(CompletionRequest, COMPLETIONS))
     async def completions(request: Request) -> Response:
@@ -208,6 +211,10 @@ def _add_generation_routes(app: FastAPI, server: GenerationHandler) -> None:
     @app.post(CHAT, openapi_extra=_request_body_schema(ChatCompletionRequest, CHAT))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
+
+    @app.post(INFILL, openapi_extra=_request_body_schema(InfillRequest, INFILL))
+    async def infill(request: Request) -> Response:
+        return await server.handle_infill(request)
 
 
 def _add_model_routes(app: FastAPI, model_name: str, *, created: int) -> None:

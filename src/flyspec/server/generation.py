@@ -34,6 +34,7 @@ from flyspec.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    InfillRequest,
     clip,
 )
 from flyspec.server.requests import request_config
@@ -130,16 +131,9 @@ class GenerationHandler:
         answers: list[tuple[Job, Piece]] = []
         for config in configs:  # one choice after another
             job = self._submit(prepared, config)
-            try:
-                answer = await _wait_unless_disconnected(request, job)
-            finally:
-                self.queue.cancel(job)  # no-op once the job has ended
+            answer = await self._answer(request, job)
             if answer is None:
                 return Response(status_code=CLIENT_CLOSED)
-            if job.outcome == "error":
-                raise generation_failed(job)
-            if job.outcome == "cancelled":
-                raise shutting_down()
             answers.append((job, answer))
         choices = [
             self._choice(prepared, job, answer, index=index, chat=chat)
@@ -159,6 +153,62 @@ class GenerationHandler:
                 usage_=responses.jobs_usage(jobs),
                 speculative_=self._speculative(jobs[0]),
             )
+        )
+
+    async def handle_infill(self, request: Request) -> Response:
+        """``POST /infill``: llama-server's fill-in-the-middle request, answered in its
+        shape (``content``, ``stop``, ``timings``; streamed as events of ``content``)."""
+        if self._executor is None:
+            raise RuntimeError("the server is not started (run the app with its lifespan)")
+        raw = await request.body()
+        content_type = request.headers.get("content-type")
+        prepare = functools.partial(
+            self.prepare, raw, content_type=content_type, chat=False, infill=True
+        )
+        prepared = await asyncio.get_running_loop().run_in_executor(self._executor, prepare)
+        job = self._submit(prepared, prepared.config)
+        if prepared.body.stream:
+            return JobStreamingResponse(
+                self._infill_events(job), on_close=lambda: self.queue.cancel(job)
+            )
+        answer = await self._answer(request, job)
+        if answer is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(self._infill_result(job, answer.text))
+
+    async def _answer(self, request: Request, job: Job) -> Piece | None:
+        """A job's whole text and token records, once it has ended (None when the client
+        left first; APIError where it failed or the server is stopping)."""
+        try:
+            answer = await _wait_unless_disconnected(request, job)
+        finally:
+            self.queue.cancel(job)  # no-op once the job has ended
+        if answer is not None and job.outcome == "error":
+            raise generation_failed(job)
+        if answer is not None and job.outcome == "cancelled":
+            raise shutting_down()
+        return answer
+
+    async def _infill_events(self, job: Job) -> AsyncIterator[str]:
+        """``/infill``'s server-sent events: the text as it comes, then the result."""
+        async for piece in job.pieces():
+            yield sse({"content": piece.text, "stop": False})
+        if job.outcome == "error":
+            yield sse(generation_failed(job).body())
+        elif job.outcome == "cancelled":
+            yield sse(shutting_down().body())
+        else:
+            yield sse(self._infill_result(job, ""))
+
+    def _infill_result(self, job: Job, text: str) -> dict[str, Any]:
+        return responses.infill_body(
+            content=text,
+            model=self.model_name,
+            prompt_tokens=len(job.prompt_ids),
+            completion_tokens=job.completion_tokens,
+            finish_reason=job.finish_reason or "length",
+            stats=job.stats,
+            speculative_=self._speculative(job),
         )
 
     def _choice(
@@ -223,10 +273,13 @@ class GenerationHandler:
             return responses.chat_logprobs(records, tokenizer)
         return responses.completion_logprobs(records, tokenizer, text_offset=text_offset)
 
-    def prepare(self, raw: bytes, *, content_type: str | None, chat: bool) -> Prepared:
+    def prepare(
+        self, raw: bytes, *, content_type: str | None, chat: bool, infill: bool = False
+    ) -> Prepared:
         """Parse and check a request body and turn it into prompt token ids and decoding
-        settings (APIError for anything the client should fix). Runs off the event loop."""
-        model = ChatCompletionRequest if chat else CompletionRequest
+        settings (APIError for anything the client should fix). Runs off the event loop.
+        ``infill``: a body of ``/infill`` (llama-server's shape)."""
+        model = ChatCompletionRequest if chat else InfillRequest if infill else CompletionRequest
         try:
             body = protocol.parse_request(
                 raw,
@@ -362,6 +415,10 @@ class GenerationHandler:
                 if problem is not None:
                     raise APIError(400, problem, param="tools")
                 return self.engine.encode_messages(messages, tools=tools)
+            if isinstance(body, InfillRequest):
+                return self.engine.encode_infill(
+                    body.input_prefix, body.input_suffix, files=body.files, middle=body.prompt
+                )
             if body.suffix:
                 return self._encode_infill(body.prompt, body.suffix)
             return self.engine.encode(body.prompt)
@@ -369,7 +426,7 @@ class GenerationHandler:
             raise
         except FlyspecError as error:
             raise APIError(
-                400, clip(str(error), MESSAGE_LIMIT), param="messages" if chat else "prompt"
+                400, clip(str(error), MESSAGE_LIMIT), param=_prompt_param(body)
             ) from None
         except Exception as error:  # a chat template that raises on this conversation
             if chat and type(error).__module__.startswith("jinja2"):
@@ -461,6 +518,13 @@ class GenerationHandler:
             final["speculative"] = self._speculative(job)
             yield sse(final)
         yield "data: [DONE]\n\n"
+
+
+def _prompt_param(body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field that holds a request's prompt."""
+    if isinstance(body, ChatCompletionRequest):
+        return "messages"
+    return "input_prefix" if isinstance(body, InfillRequest) else "prompt"
 
 
 def choice_configs(config: DecodeConfig, n: int) -> list[DecodeConfig]:

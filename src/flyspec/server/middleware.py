@@ -15,6 +15,7 @@ from flyspec.server.protocol import (
     CLIENT_CLOSED,
     ENDPOINTS,
     GENERATION_ENDPOINTS,
+    INFILL,
     APIError,
 )
 
@@ -89,8 +90,8 @@ async def _send_error(
 
 class APIKeyMiddleware:
     """Answers 401 unless ``Authorization: Bearer <key>`` carries the key, on every ``/v1``
-    path (unknown ones too, so nothing is learnt without the key) and, when asked, on
-    ``/metrics``. The key is compared in constant time."""
+    path (unknown ones too, so nothing is learnt without the key), on ``/infill`` and, when
+    asked, on ``/metrics``. The key is compared in constant time."""
 
     def __init__(self, app: ASGIApp, *, api_key: str, metrics_require_key: bool) -> None:
         self.app = app
@@ -98,7 +99,7 @@ class APIKeyMiddleware:
         self.metrics_require_key = metrics_require_key
 
     def protects(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path == INFILL:
             return True
         return self.metrics_require_key and path == "/metrics"
 

@@ -39,8 +39,9 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-GENERATION_ENDPOINTS = (COMPLETIONS, CHAT)
-ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+INFILL = "/infill"  # llama-server's fill-in-the-middle route
+GENERATION_ENDPOINTS = (COMPLETIONS, CHAT, INFILL)
+ENDPOINTS = (COMPLETIONS, CHAT, INFILL, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
 MAX_CHOICES = 16
@@ -496,6 +497,64 @@ class CompletionRequest(_Request):
         """The alternatives each token's log-probability comes with (None: no
         log-probabilities)."""
         return self.logprobs
+
+
+class InfillFile(BaseModel):
+    """One file of ``/infill``'s ``input_extra``: other code of the project."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    filename: str = "file"
+    text: str = ""
+
+
+class InfillRequest(CompletionRequest):
+    """``POST /infill``, llama-server's fill-in-the-middle request: the text before the
+    gap (``input_prefix``), after it (``input_suffix``), other files of the project
+    (``input_extra``) and the start of the middle (``prompt``), as editor plugins for
+    llama.cpp send them. It takes the fields of ``/v1/completions`` too, and llama.cpp's
+    ``n_predict`` (at most that many tokens; negative: no limit but the server's) for
+    ``max_tokens``. llama.cpp's settings of its own server (``cache_prompt``, ``samplers``,
+    ``t_max_prompt_ms``, ``t_max_predict_ms``, ``response_fields``, ``id_slot``) are accepted
+    and have no effect: flyspec keeps its prompt cache always, samples in one order and
+    answers every field."""
+
+    prompt: Any = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillFile] = Field(default_factory=list)
+    n_predict: int | None = None
+    cache_prompt: bool | None = None
+    samplers: list[str] | str | None = None
+    t_max_prompt_ms: int | None = None
+    t_max_predict_ms: int | None = None
+    response_fields: list[str] | None = None
+    id_slot: int | None = None
+
+    @model_validator(mode="after")
+    def _n_predict(self) -> InfillRequest:
+        if self.n_predict is not None and self.n_predict >= 0 and self.max_tokens is None:
+            self.max_tokens = self.n_predict
+        return self
+
+    def unsupported(self) -> tuple[str, str] | None:
+        found = super().unsupported()
+        if found:
+            return found
+        if self.suffix is not None:
+            return "suffix", "/infill takes the text after the gap as input_suffix"
+        if self.echo:
+            return "echo", "echo is not supported on /infill"
+        if self.n not in (None, 1):
+            return "n", "/infill answers with one completion: leave out n"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported on /infill: use /v1/completions"
+        return None
+
+    @property
+    def files(self) -> list[tuple[str, str]]:
+        """``input_extra`` as ``(name, text)`` pairs."""
+        return [(file.filename, file.text) for file in self.input_extra]
 
 
 class ChatMessage(BaseModel):

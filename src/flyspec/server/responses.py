@@ -226,3 +226,40 @@ def chat_chunk(
         "model": model,
         "choices": [choice],
     }
+
+
+def infill_body(
+    *,
+    content: str,
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    finish_reason: str,
+    stats: RequestStats,
+    speculative_: dict[str, Any],
+) -> dict[str, Any]:
+    """The answer of ``/infill`` as llama-server gives it: the text (``content``), ``stop``
+    (the answer is whole), the tokens read and written, and ``timings`` in milliseconds;
+    ``finish_reason`` as OpenAI's, and flyspec's ``speculative``."""
+    prompt_ms = 1000 * stats.prefill_seconds
+    predicted_ms = 1000 * max(stats.seconds - stats.prefill_seconds, 0.0)
+    return {
+        "content": content,
+        "stop": True,
+        "model": model,
+        "tokens_evaluated": prompt_tokens,
+        "tokens_predicted": completion_tokens,
+        "tokens_cached": stats.cached_prompt_tokens,
+        "finish_reason": finish_reason,
+        "timings": {
+            "cache_n": stats.cached_prompt_tokens,
+            "prompt_n": prompt_tokens - stats.cached_prompt_tokens,
+            "prompt_ms": round(prompt_ms, 3),
+            "predicted_n": completion_tokens,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": round(1000 * completion_tokens / predicted_ms, 3)
+            if predicted_ms > 0
+            else None,
+        },
+        "speculative": speculative_,
+    }
