@@ -679,7 +679,7 @@ def test_llama_servers_infill_fills_in_the_middle_with_the_projects_files(reposi
     body = {
         "input_prefix": prefix,
         "input_suffix": suffix,
-        "input_extra": [{"filename": name, "text": text} for name, text in files],
+        "input_extra": [{"filename": name, "text": text, "time": 1.5} for name, text in files],
         "prompt": start,
         "n_predict": 12,
         "mode": "spd",
@@ -688,6 +688,7 @@ def test_llama_servers_infill_fills_in_the_middle_with_the_projects_files(reposi
         "samplers": ["top_k", "top_p", "temperature"],
         "t_max_prompt_ms": 500,
         "t_max_predict_ms": 1000,
+        "n_indent": 4,
     }
     with running(app) as url, httpx.Client(base_url=url, timeout=60) as infill:
         answer = infill.post("/infill", json=body)
@@ -697,6 +698,11 @@ def test_llama_servers_infill_fills_in_the_middle_with_the_projects_files(reposi
         assert result["tokens_evaluated"] == len(ids) and 0 < result["tokens_predicted"] <= 12
         assert result["timings"]["predicted_n"] == result["tokens_predicted"]
         assert result["speculative"]["mode"] == "spd"
+        fields = ["content", "timings/predicted_n", "timings/no_such", "tokens_cached"]
+        cut = infill.post("/infill", json={**body, "response_fields": fields}).json()
+        assert set(cut) == {"content", "timings/predicted_n", "tokens_cached"}
+        assert cut["content"] == expected
+        assert cut["timings/predicted_n"] == result["tokens_predicted"]
         with infill.stream("POST", "/infill", json={**body, "stream": True}) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data:")]
         assert "".join(e["content"] for e in events) == expected

@@ -174,7 +174,8 @@ class GenerationHandler:
         answer = await self._answer(request, job)
         if answer is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(self._infill_result(job, answer.text))
+        result = self._infill_result(job, answer.text)
+        return JSONResponse(responses.only_fields(result, prepared.body.response_fields))
 
     async def _answer(self, request: Request, job: Job) -> Piece | None:
         """A job's whole text and token records, once it has ended (None when the client

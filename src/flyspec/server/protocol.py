@@ -506,6 +506,7 @@ class InfillFile(BaseModel):
 
     filename: str = "file"
     text: str = ""
+    time: float | None = None  # when the editor read it (llama.vim sends it): not used
 
 
 class InfillRequest(CompletionRequest):
@@ -514,10 +515,11 @@ class InfillRequest(CompletionRequest):
     (``input_extra``) and the start of the middle (``prompt``), as editor plugins for
     llama.cpp send them. It takes the fields of ``/v1/completions`` too, and llama.cpp's
     ``n_predict`` (at most that many tokens; negative: no limit but the server's) for
-    ``max_tokens``. llama.cpp's settings of its own server (``cache_prompt``, ``samplers``,
-    ``t_max_prompt_ms``, ``t_max_predict_ms``, ``response_fields``, ``id_slot``) are accepted
-    and have no effect: flyspec keeps its prompt cache always, samples in one order and
-    answers every field."""
+    ``max_tokens``, and ``response_fields`` (the answer's fields to give, ``timings/prompt_n``
+    naming a nested one). llama.cpp's settings of its own server (``cache_prompt``,
+    ``samplers``, ``t_max_prompt_ms``, ``t_max_predict_ms``, ``n_indent``, ``id_slot``) are
+    accepted and have no effect: flyspec keeps its prompt cache always and samples in one
+    order."""
 
     prompt: Any = ""
     input_prefix: str = ""
@@ -529,6 +531,7 @@ class InfillRequest(CompletionRequest):
     t_max_prompt_ms: int | None = None
     t_max_predict_ms: int | None = None
     response_fields: list[str] | None = None
+    n_indent: int | None = None
     id_slot: int | None = None
 
     @model_validator(mode="after")

@@ -263,3 +263,21 @@ def infill_body(
         },
         "speculative": speculative_,
     }
+
+
+def only_fields(result: dict[str, Any], fields: Sequence[str] | None) -> dict[str, Any]:
+    """``result`` cut to ``fields`` as llama-server's ``response_fields`` asks: each field a
+    path (``timings/prompt_n``) and a key of the answer as written; a path that names nothing
+    is left out. None: the whole result."""
+    if fields is None:
+        return result
+    picked: dict[str, Any] = {}
+    for path in fields:
+        value: Any = result
+        for part in path.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            picked[path] = value
+    return picked
