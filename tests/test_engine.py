@@ -166,3 +166,15 @@ def test_incremental_text_is_the_whole_decode(make):
         # Text ending in an unfinished character is held back until a token completes it.
         ends = [j for j in range(len(ids) + 1) if not whole(ids[:j]).endswith("\ufffd")]
         assert released == whole(ids[: max(ends)]), ids
+
+
+def test_a_prompt_goes_through_the_chat_template_by_default_where_there_is_one(engine):
+    assert engine.has_chat_template
+    assert engine.encode("hi", chat=None) == engine.encode("hi", chat=True)
+    assert engine.encode("hi", chat=False) != engine.encode("hi", chat=True)
+    plain = Engine(
+        target_model=engine.target_model, tokenizer=make_tiny_tokenizer(), draft_model=None
+    )
+    plain.tokenizer.chat_template = None
+    assert not plain.has_chat_template
+    assert plain.encode("hi", chat=None) == plain.encode("hi", chat=False)

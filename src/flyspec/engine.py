@@ -331,10 +331,18 @@ class Engine:
         engine.keep_forward_costs({"binding": binding_build()})
         return engine
 
-    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
-        """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set."""
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str, *, chat: bool | None = False) -> list[int]:
+        """Token ids of a raw prompt, or of a one-turn chat when ``chat`` is set (None: when
+        the tokenizer has a chat template, as the commands' ``--chat`` defaults to)."""
         if not prompt or not prompt.strip():
             raise FlyspecError("the prompt is empty")
+        if chat is None:
+            chat = self.has_chat_template
         if chat:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))

@@ -42,7 +42,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_model_arguments(generate)
     prompt = generate.add_argument_group("prompt")
     add_chat_argument(
-        prompt, default=False, help="wrap the prompt in the tokenizer's chat template (default: no)"
+        prompt,
+        default=None,
+        help="wrap the prompt in the tokenizer's chat template (default: when it has one)",
     )
     prompt.add_argument(
         "--prediction",
