@@ -376,12 +376,12 @@ class Engine:
 
         context: list[int] = []
         repository = repository_tokens(self.tokenizer)
-        if files and repository is not None:
+        if files and repository is not None:  # as llama-server lays it out, names included
             repo, separator = repository
-            context = [repo, *text("project\n")]
+            context = [repo, *text("myproject\n")]
             for name, content in files:
-                context += [separator, *text(f"{name}\n{content}")]
-            context += [separator, *text("file\n")]
+                context += [separator, *text(f"{name}\n"), *text(content)]
+            context += [separator, *text("filename\n")]
         elif files:
             context = text("".join(f"{name}\n{content}\n\n" for name, content in files))
         return [*context, before, *text(prefix), after, *text(suffix), answer, *text(middle)]
