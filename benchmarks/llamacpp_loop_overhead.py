@@ -9,7 +9,7 @@ process, interleaved:
 - ``engine``: ``Engine.stream``, the loop with its text decoded token by token (what
   ``flyspec serve`` runs).
 
-    .venv/bin/python benchmarks/llamacpp_loop_overhead.py [--tokens 150] [--repeats 4]
+    .venv/bin/python benchmarks/llamacpp_loop_overhead.py [--tokens N] [--repeats N] [--with-draft]
 
 Prints milliseconds per new token (the prompt's forward left out), medians over the repeats.
 """
@@ -39,9 +39,16 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=150)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument(
+        "--with-draft", action="store_true", help="load the draft model too (as the bench does)"
+    )
     args = parser.parse_args()
     engine = Engine.load(
-        target=None, draft=None, with_draft=False, backend="llamacpp", llamacpp=LlamaCppConfig()
+        target=None,
+        draft=None,
+        with_draft=args.with_draft,
+        backend="llamacpp",
+        llamacpp=LlamaCppConfig(),
     )
     decoder, runner = engine.decoder, engine.decoder.target.runner
     rng = np.random.default_rng(0)
@@ -77,7 +84,8 @@ def main() -> int:
     print(f"{describe_machine(machine_identity())}")
     print(
         f"{args.prompt_tokens}-token prompt, {args.tokens} new tokens, median of "
-        f"{args.repeats}; ms per new token\n"
+        f"{args.repeats}{', the draft model loaded too' if args.with_draft else ''}; "
+        "ms per new token\n"
     )
     print("| path | ms per token | over the runner |")
     print("|---|---:|---:|")
