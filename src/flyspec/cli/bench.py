@@ -74,9 +74,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="passes over the prompts, each running every method once per prompt in a rotated "
-        "order (default 1); speeds and speedups are then medians with their range. With "
-        "--forward-cost: timed repeats per n (default 5)",
+        help="interleaved passes over what is timed: over the prompts, each running every "
+        "method once per prompt in a rotated order (default 1; speeds and speedups are then "
+        "medians with their range), or with --forward-cost over the forward sizes, each "
+        "timing every n once (default 5)",
     )
     # Each method fixes its mode and drafter; stop strings and draft sampling do not apply.
     add_decode_arguments(bench, leave_out=("mode", "drafter", "stop", "draft_temperature"))
@@ -84,7 +85,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
     output.add_argument(
         "--output", help="output folder (default: results/bench-<dataset>-<timestamp>)"
     )
-    output.add_argument("--json", action="store_true", help="also print the JSON report to stdout")
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print the JSON report on stdout instead of the table (which goes to stderr), "
+        "as generate --json prints its result instead of the text",
+    )
     output.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )

@@ -66,7 +66,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     shown.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object with text, token_ids and stats instead of streaming",
+        help="print one JSON object with text, token_ids and stats on stdout instead of "
+        "streaming the text (as bench --json prints its report instead of the table)",
     )
     shown.add_argument(
         "--show",
