@@ -392,7 +392,7 @@ class Engine:
         them to the model."""
         if not messages:
             raise FlyspecError("messages must not be empty")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise FlyspecError("this tokenizer has no chat template; send a raw prompt instead")
         return self.tokenizer.apply_chat_template(
             list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=True
@@ -559,21 +559,21 @@ REPOSITORY_TOKENS = (
 
 def repository_tokens(tokenizer) -> tuple[int, int] | None:
     """The ids of the first pair of :data:`REPOSITORY_TOKENS` the tokenizer has, or None."""
-    vocabulary = tokenizer.get_vocab()
-    for repo, separator in REPOSITORY_TOKENS:
-        if repo in vocabulary and separator in vocabulary:
-            return vocabulary[repo], vocabulary[separator]
-    return None
+    return _first_family(tokenizer, REPOSITORY_TOKENS)
 
 
 def fim_tokens(tokenizer) -> tuple[int, int, int] | None:
     """The ids of the first family of :data:`FIM_TOKENS` whose three tokens the tokenizer
     has, or None."""
+    return _first_family(tokenizer, FIM_TOKENS)
+
+
+def _first_family(tokenizer, families: Sequence[tuple[str, ...]]) -> tuple[int, ...] | None:
+    """The ids of the first of ``families`` whose tokens the tokenizer all has, or None."""
     vocabulary = tokenizer.get_vocab()
-    for family in FIM_TOKENS:
+    for family in families:
         if all(token in vocabulary for token in family):
-            before, after, middle = (vocabulary[token] for token in family)
-            return before, after, middle
+            return tuple(vocabulary[token] for token in family)
     return None
 
 
