@@ -77,6 +77,14 @@ class TestRowReductions:
         assert torch.equal(largest_values(rows, k), expected)
         assert torch.equal(largest_values(rows[None], k), expected[None])  # any leading shape
 
+    def test_no_rows_give_no_values(self):
+        # A batch whose blocks drafted nothing (prompt lookup found no match) reaches the gate
+        # with no rows.
+        rows = torch.empty(0, self.VOCAB)
+        assert largest_values(rows, 3).shape == (0, 3)
+        assert greedy_tokens(rows).shape == (0,)
+        assert top3_entropy(rows).shape == (0,)
+
 
 class TestEntropy:
     def test_top3_entropy_of_certain_and_split_rows(self):

@@ -44,7 +44,7 @@ def largest_values(logits: torch.Tensor, k: int) -> torch.Tensor:
     them has k larger chunk maxima above it); over Qwen's vocabulary that is 6-11x faster
     (docs/benchmarks.md, "Verification's row reductions")."""
     vocab = logits.shape[-1]
-    if logits.device.type != "cpu" or vocab < 8 * k * _CHUNK:
+    if logits.device.type != "cpu" or vocab < 8 * k * _CHUNK or logits.numel() == 0:
         return logits.topk(k, dim=-1).values
     rows = logits.reshape(-1, vocab)
     if vocab % _CHUNK:
