@@ -8,8 +8,12 @@
 #      the prediction, exact, -k auto).
 #   2. One pass of every other setting: llama-server's draft model, the binding's plain
 #      decoding, and flyspec's prediction path at K=15, FLy and with the draft.
+#   3. The prompt caches: the same 8 requests sent twice through each server (llama-server,
+#      flyspec serve with its prompt cache and with the last prompt's only), plain decoding,
+#      the second pass over the first (benchmarks/prompt_cache_passes.py; Markdown in
+#      OUTPUT_PREFIX-prompt-cache.md).
 # Needs scripts/setup.sh --llamacpp (which builds llama-server) and flyspec models pull --gguf.
-# About 50 minutes on 2 cores. Usage: benchmarks/llama_server_table.sh [OUTPUT_PREFIX]
+# About 60 minutes on 2 cores. Usage: benchmarks/llama_server_table.sh [OUTPUT_PREFIX]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-results/bench-llama-server}"
@@ -20,3 +24,5 @@ methods="llama-server,llama-server-draft@8"
 methods="$methods,llamacpp-target,llamacpp-predict,llamacpp-fly-predict@auto"
 methods="$methods,llamacpp-predict-draft@auto"
 .venv/bin/flyspec bench "${common[@]}" --output "$out-all" --methods "$methods"
+.venv/bin/python benchmarks/prompt_cache_passes.py --backend llamacpp --limit 8 --max-tokens 384 \
+    | tee "$out-prompt-cache.md"

@@ -3,7 +3,6 @@ where drafting pays and where it does not, and the decoder running it (lossless 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -221,27 +220,51 @@ def test_a_held_deferral_gets_the_draft_tokens_that_decide_it():
     assert policy.choose(3, at_least=4) == 3  # the budget caps it first
 
 
-def test_a_deferral_is_learnt_as_settled():
-    """A deferred round teaches nothing while pending; rolled back, its deferred position
-    counts as a miss (not a keep); a round wasted by the rollback teaches nothing."""
-    from flyspec.decoding.stats import RoundStats
+def test_a_deferral_is_learnt_once_decided():
+    """A deferring round teaches nothing until the next round decides it; rolled back, its
+    deferred position counts as a miss (not a keep), and the block of the round that rolled
+    it back (drafted after tokens taken back) teaches nothing; confirmed, the held tokens
+    count as kept, the deferred one loosely."""
+    from flyspec.decoding.stats import DeferralDecision, LooseToken, RoundStats
 
-    policy = AutoK(max_k=8, costs=ForwardCosts({1: 0.1}), window=6, defer=True)
-    timing = {"draft_seconds": 0.0, "verify_seconds": 0.0}
-    pending = RoundStats(
-        drafted=8, accepted=3, loosely_accepted=0, emitted=3, deferral="pending", **timing
+    config = DecodeConfig(mode="fly", k=8, fly=FlyConfig(window=6, defer=True))
+    timing = {"draft_seconds": 0.0, "verify_seconds": 0.01}
+    deferring = RoundStats(
+        drafted=8, accepted=3, loosely_accepted=0, emitted=3, deferred=True, **timing
     )
-    policy.observe_round(pending)
-    assert sum(policy.reached) == 0
-    wasted = RoundStats(
-        drafted=8, accepted=0, loosely_accepted=0, emitted=0, deferral="wasted", **timing
-    )
-    policy.observe_round(wasted)
-    assert sum(policy.reached) == 0
-    policy.observe_round(dataclasses.replace(pending, deferral="rolled_back", emitted=4))
-    assert policy.reached[:5] == [1, 1, 1, 1, 0]
-    assert policy.exact[:4] == [1, 1, 1, 0]
-    assert sum(policy.loose) == 0
+    loose = LooseToken(
+        output_index=3, position=3, block_size=8, deferred=True, draft_token=1,
+        target_token=2, entropy=0.5, draft_prob=0.2, top_prob=0.4, ratio=0.5, rank=2,
+    )  # fmt: skip
+    decisions = {
+        "rolled back": DeferralDecision(confirmed=False, exact=0, loose_tokens=(), emitted=1),
+        "confirmed": DeferralDecision(confirmed=True, exact=4, loose_tokens=(loose,), emitted=6),
+    }
+    learnt = {}
+    for name, decision in decisions.items():
+        policies = AutoKPolicies(block_costs=ForwardCosts({1: 0.01, 16: 0.02}))
+        controller = RequestAutoK(policies, config)
+        policy = policies.policy(config, "model")
+        controller.choose("model", 8)
+        controller.learn([deferring], drafted=8, draft_seconds=0.0, verify_seconds=0.01)
+        assert sum(policy.reached) == 0
+        deciding = RoundStats(
+            drafted=2, accepted=0, loosely_accepted=0, emitted=decision.emitted,
+            decided=decision, **timing,
+        )  # fmt: skip
+        controller.choose("model", 8)
+        controller.learn([deferring, deciding], drafted=2, draft_seconds=0.0, verify_seconds=0.01)
+        learnt[name] = (policy.reached[:8], policy.exact[:8], policy.loose[:8])
+    reached, exact, loose_kept = learnt["rolled back"]
+    assert [round(x) for x in reached] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert [round(x) for x in exact] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert sum(loose_kept) == 0
+    reached, exact, loose_kept = learnt["confirmed"]
+    # The confirming round's own block (2 drafted, none kept), then the deferring one's (all
+    # 8 kept), learnt after it.
+    assert [round(x) for x in reached] == [2, 1, 1, 1, 1, 1, 1, 1]
+    assert [round(x) for x in exact] == [1, 1, 1, 0, 1, 1, 1, 1]
+    assert [round(x) for x in loose_kept] == [0, 0, 0, 1, 0, 0, 0, 0]
 
 
 def target_drafting_for_itself(decoder: SpeculativeDecoder, k: int) -> None:
@@ -258,12 +281,22 @@ def test_a_draft_that_has_caught_up_is_not_fed_again():
     model = make_tiny_model(vocab_size=96, seed=2, num_layers=2)
     decoder = SpeculativeDecoder(model, model)
     target_drafting_for_itself(decoder, k=4)
-    stats = RequestStats()
     config = DecodeConfig(mode="spd", k=4, auto_k=True, max_new_tokens=41)
+    # The largest block always: what the rounds measure of their costs cannot change it.
+    key = (config.mode, config.drafter, config.k, None, "model")
+    decoder.auto_k.policies[key] = PrefersLongest(max_k=4, costs=decoder.auto_k.block_costs)
+    stats = RequestStats()
     assert len(list(decoder.stream([5, 17, 33, 8, 60], config, stats=stats))) == 41
     drafted = sum(r.drafted for r in stats.rounds)
     assert drafted == 32  # eight full blocks, all kept
     assert decoder.draft.forward_calls == drafted + 1
+
+
+class PrefersLongest(AutoK):
+    """Prefers the largest block allowed."""
+
+    def tokens_per_second(self, k: int) -> float:
+        return k
 
 
 class ScriptedPreference(AutoK):
@@ -324,7 +357,7 @@ def test_under_auto_a_deferred_window_can_be_confirmed():
     )
     stats = RequestStats()
     tokens = [e.token for e in decoder.stream(prompt, config, stats=stats, drafter=SpoilThird())]
-    assert stats.rounds[0].deferral == "confirmed"
+    assert stats.rounds[0].deferred and stats.rounds[1].decided.confirmed
     assert tokens[2] == spoiled
     assert stats.rounds[1].drafted >= 1
 

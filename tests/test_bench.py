@@ -275,17 +275,23 @@ def test_bench_repeats_and_compare_on_the_command_line(tiny_pair, tmp_path, caps
     assert code == 0, captured.err
     assert "Compared with" in captured.out and "| fly |" in captured.out
     assert "new/old" in captured.out
-    # The same code and models generate the same tokens: both prompts of the first repeat.
+    # The same code and models generate the same tokens and statistics: both prompts of the
+    # first repeat.
     comparison = captured.out[captured.out.index("Compared with") :]
     fly_row = next(line for line in comparison.splitlines() if line.startswith("| fly |"))
-    assert fly_row.endswith("| 2/2 |")
+    assert fly_row.endswith("| 2/2 | 2/2 |")
     assert "flyspec: machine:" in captured.err and "during the run other processes" in captured.err
     new = json.loads((tmp_path / "new" / "bench.json").read_text())
     assert len(new["samples"]["fly"]) == 4
 
 
 def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
-    from flyspec.bench.compare import compare_reports, format_comparison, same_tokens
+    from flyspec.bench.compare import (
+        compare_reports,
+        format_comparison,
+        same_statistics,
+        same_tokens,
+    )
 
     old = {"methods": [{"method": "fly", "tokens_per_second": 10.0, "speedup": 2.0}]}
     new = {
@@ -319,8 +325,9 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     text = format_comparison(vllm_run, new)
     assert "different baselines (vllm-target in the old run, target in the new one)" in text
     fly_row = next(line for line in text.splitlines() if line.startswith("| fly |"))
-    assert fly_row.endswith("| n/a | n/a |")  # speedups and tokens not compared
+    assert fly_row.endswith("| n/a | n/a | n/a |")  # speedups, tokens, statistics
     assert same_tokens(old, new, "fly") is None
+    assert same_statistics(old, new, "fly") is None
     with_tokens = {
         "samples": {
             "fly": [
@@ -332,6 +339,13 @@ def test_compare_reads_old_reports_and_refuses_bad_files(tmp_path, capsys):
     changed = {"samples": {"fly": [{"prompt_id": "a", "repeat": 0, "token_ids": [1, 5]}]}}
     assert same_tokens(with_tokens, with_tokens, "fly") == (2, 2)
     assert same_tokens(with_tokens, changed, "fly") == (0, 1)
+    stats = {"rounds": 3, "accepted": 4, "tau": 2.5, "deferrals_confirmed": 1, "seconds": 0.4}
+    with_stats = {"samples": {"fly": [{"prompt_id": "a", "stats": stats}]}}
+    slower = {"samples": {"fly": [{"prompt_id": "a", "stats": {**stats, "seconds": 0.9}}]}}
+    fewer = {"samples": {"fly": [{"prompt_id": "a", "stats": {**stats, "accepted": 3}}]}}
+    assert same_statistics(with_stats, slower, "fly") == (1, 1)  # times are not statistics
+    assert same_statistics(with_stats, fewer, "fly") == (0, 1)
+    assert same_statistics(with_tokens, with_stats, "fly") is None
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert main(["compare", str(bad), str(tmp_path / "new")]) == 2

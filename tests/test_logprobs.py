@@ -67,7 +67,7 @@ def test_each_token_has_the_targets_logprob_at_its_position(target, case):
     if case.startswith("fly"):
         assert "loose" in origins
     if case == "fly, deferred":
-        assert {r.deferral for r in stats.rounds} >= {"confirmed", "rolled_back"}
+        assert stats.deferrals("confirmed") > 0 and stats.deferrals("rolled_back") > 0
 
 
 def test_a_prediction_s_tokens_have_their_logprobs_too(target, draft):

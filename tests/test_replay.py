@@ -170,7 +170,7 @@ def test_bad_traces_and_references_are_refused_in_a_line(models, tmp_path):
 
 def test_deferred_windows_are_not_traced():
     stats = RequestStats(prompt_tokens=3)
-    held = RoundStats(4, 3, 0, 3, 0.0, 0.0, deferral="confirmed", source="model")
-    stats.rounds += [RoundStats(4, 1, 0, 2, 0.0, 0.0, source="model"), held]
+    deferring = RoundStats(4, 3, 0, 3, 0.0, 0.0, deferred=True, source="model")
+    stats.rounds += [RoundStats(4, 1, 0, 2, 0.0, 0.0, source="model"), deferring]
     with pytest.raises(FlyspecError, match="deferred windows"):
         traced_request(stats)

@@ -89,6 +89,43 @@ def same_tokens(old: Mapping, new: Mapping, method: str) -> tuple[int, int] | No
     return sum(before[key] == after[key] for key in shared), len(shared)
 
 
+STATISTICS = (
+    "rounds",
+    "drafted",
+    "accepted",
+    "loosely_accepted",
+    "rejected",
+    "emitted",
+    "committed",
+    "tau",
+    "deferrals_confirmed",
+    "deferrals_rolled_back",
+)
+"""The statistics of a sample :func:`same_statistics` compares (speeds and times aside)."""
+
+
+def same_statistics(old: Mapping, new: Mapping, method: str) -> tuple[int, int] | None:
+    """``(identical, compared)``: of the (prompt, repeat) samples of ``method`` with
+    statistics in both reports, how many have the same :data:`STATISTICS`; None when either
+    report holds none (a peer's samples, a report from before statistics were kept)."""
+
+    def statistics(report: Mapping) -> dict:
+        records = (report.get("samples") or {}).get(method) or []
+        return {
+            (r.get("prompt_id"), r.get("repeat", 0)): {
+                name: r["stats"].get(name) for name in STATISTICS
+            }
+            for r in records
+            if r.get("stats")
+        }
+
+    before, after = statistics(old), statistics(new)
+    shared = [key for key in after if key in before]
+    if not shared:
+        return None
+    return sum(before[key] == after[key] for key in shared), len(shared)
+
+
 def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> str:
     """A Markdown table of :func:`compare_reports`, with the machines of both runs."""
     from flyspec.bench.report import machine_line
@@ -102,22 +139,24 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         f"{new.get('environment', {}).get('date')}",
         "",
         "| method | tok/s old | tok/s new | new/old | change | speedup old | speedup new "
-        "| change | same tokens |",
-        "|---|---:|---:|---:|---|---:|---:|---|---:|",
+        "| change | same tokens | same statistics |",
+        "|---|---:|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     baselines = [report.get("config", {}).get("baseline", "target") for report in (old, new)]
     same_baseline = baselines[0] == baselines[1]
     for method, speed, speedup in rows:
         speedup_verdict = speedup.verdict if same_baseline else "n/a"
         tokens = same_tokens(old, new, method)
+        counts = same_statistics(old, new, method)
         lines.append(
             f"| {method} | {speed.old.describe()} | {speed.new.describe()} | "
             f"{speed.ratio:.3f} | {speed.verdict} | {speedup.old.describe(unit='x')} | "
             f"{speedup.new.describe(unit='x')} | {speedup_verdict} | "
-            f"{'n/a' if tokens is None else f'{tokens[0]}/{tokens[1]}'} |"
+            f"{'n/a' if tokens is None else f'{tokens[0]}/{tokens[1]}'} | "
+            f"{'n/a' if counts is None else f'{counts[0]}/{counts[1]}'} |"
         )
     if not rows:
-        lines.append("| (no method in both runs) | | | | | | | | |")
+        lines.append("| (no method in both runs) | | | | | | | | | |")
     if not same_baseline:
         lines += [
             "",
@@ -129,6 +168,8 @@ def format_comparison(old: Mapping, new: Mapping, *, old_name: str = "old") -> s
         "change: faster/slower where the runs' ranges over their repeats do not overlap and "
         f"the medians differ by more than {NOISE_FLOOR:.0%} (a run of one repeat counts as "
         f"{UNSTABLE_SPREAD:.0%} wide); ~ otherwise, within the noise. same tokens: the "
-        "prompts (and repeats) on which the method generated the same token ids in both runs.",
+        "prompts (and repeats) on which the method generated the same token ids in both runs; "
+        "same statistics: those on which its rounds, drafted, accepted, loosely accepted, "
+        "rejected, emitted and committed tokens, tau and deferrals were the same.",
     ]
     return "\n".join(lines)

@@ -136,7 +136,7 @@ class Trace:
 def traced_request(stats: RequestStats) -> TracedRequest:
     """The trace of one finished request. Deferred windows (``FlyConfig.defer``) are refused:
     their rounds commit across two blocks, which a replay does not model."""
-    if any(r.deferral is not None for r in stats.rounds):
+    if any(r.deferred or r.decided is not None for r in stats.rounds):
         raise FlyspecError("a request with deferred windows cannot be traced: record without defer")
     rounds = tuple(
         TracedRound(r.drafted, r.accepted + r.loosely_accepted, r.source) for r in stats.rounds

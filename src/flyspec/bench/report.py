@@ -21,19 +21,19 @@ from pathlib import Path
 
 from flyspec.bench.methods import PEER_BASELINES
 from flyspec.bench.plots import has_per_position, write_plots
-from flyspec.decoding.stats import RoundStats, mean_speedup
+from flyspec.decoding.stats import RoundStats, kept_per_block, mean_speedup
 from flyspec.support.repeated_measurements import UNSTABLE_SPREAD, Spread
 from flyspec.support.resident_memory import gib
 
 
 def per_position_acceptance(rounds: Iterable[RoundStats], k: int) -> list[float | None]:
     """For i = 0 .. k-1: kept-at-i / drafted-at-i over all rounds (None where nothing was
-    drafted). A round that drafted d tokens and kept a of them (exactly or loosely) kept
-    positions 0 .. a-1 and rejected a .. d-1."""
+    drafted). A round that drafted d tokens and kept a of them (exactly or loosely, a deferred
+    window the next round confirmed included) kept positions 0 .. a-1 and rejected a .. d-1."""
     drafted = [0] * k
     kept = [0] * k
-    for round_stats in rounds:
-        kept_here = round_stats.accepted + round_stats.loosely_accepted
+    rounds = list(rounds)
+    for round_stats, kept_here in zip(rounds, kept_per_block(rounds), strict=True):
         for position in range(min(round_stats.drafted, k)):
             drafted[position] += 1
             if position < kept_here:

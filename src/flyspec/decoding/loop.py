@@ -190,7 +190,7 @@ class SpeculativeDecoder:
                     self.target.record_steps(verdict.draft_ids)
                     draft = draft.settled(verdict.draft_ids, verdict.num_drafted)
                 committed = request.commit(draft, verdict, target_logits)
-                request.learn(draft, verdict, committed)
+                request.learn(draft, verdict)
                 yield from request.deliver(committed)
                 if committed.finished:
                     request.stats.finish_reason = "stop"

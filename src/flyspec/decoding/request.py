@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,7 +21,7 @@ from flyspec.decoding.drafters import Draft, Drafter
 from flyspec.decoding.grammar import RequestGrammar
 from flyspec.decoding.logprobs import TokenLogprob, token_logprobs
 from flyspec.decoding.penalties import RequestPenalties
-from flyspec.decoding.stats import LooseToken, RequestStats, RoundStats
+from flyspec.decoding.stats import DeferralDecision, LooseToken, RequestStats, RoundStats
 from flyspec.decoding.verify import Verdict, loose_token_features, sampling_logits
 from flyspec.models.cache import DeviceTokens, LanguageModel
 
@@ -63,54 +63,42 @@ class BusyClock:
 
 
 @dataclass(frozen=True)
-class Held:
-    """Tokens kept tentatively after a deferred mismatch (``FlyConfig.defer``): already in
-    the context, not yet emitted; the next block confirms them or rolls them back to the
-    target's ``correction``. ``round_slot`` indexes the deferring round's statistics."""
+class PendingDeferral:
+    """A deferred mismatch (``FlyConfig.defer``) carried into the next round, undecided: its
+    tokens are in the context but not emitted; the next block's leading exact matches
+    confirm them (at least ``need``) or roll them back to the target's ``correction``."""
 
     tokens: list[int]  # the mismatched draft token, the exact matches after it, the bonus
     origins: list[Origin]
     need: int
     correction: int
     round_index: int
-    round_slot: int
     loose_token: LooseToken
     correction_on_device: torch.Tensor | None = None  # long[1], where the device holds it
     logprobs: tuple[TokenLogprob | None, ...] = ()  # of the tokens, where asked for
     correction_logprob: TokenLogprob | None = None
 
-    def resolve(
-        self, confirmed: bool, stats: RequestStats, *, eos_token_ids: Collection[int]
-    ) -> list[tuple[TokenEvent, int]]:
-        """Settle the deferring round's statistics; the events it now emits: the held tokens
-        when ``confirmed``, else the correction (none when that ends the request)."""
-        before = stats.rounds[self.round_slot]
+    def decide(
+        self, confirmed: bool, *, eos_token_ids: Collection[int]
+    ) -> tuple[DeferralDecision, list[TokenEvent]]:
+        """The decision, and the events it emits: the held tokens when ``confirmed``, else
+        the correction (none when that ends the request)."""
         if confirmed:
-            stats.rounds[self.round_slot] = replace(
-                before,
-                accepted=before.accepted + len(self.tokens) - 2,
-                loosely_accepted=before.loosely_accepted + 1,
-                emitted=before.emitted + len(self.tokens),
-                deferral="confirmed",
-                loose_tokens=(*before.loose_tokens, self.loose_token),
-            )
             logprobs = self.logprobs or (None,) * len(self.tokens)
             triples = zip(self.tokens, self.origins, logprobs, strict=True)
-            return [
-                (self._event(token, origin, logprob), self.round_slot)
-                for token, origin, logprob in triples
-            ]
-        ends = self.correction in eos_token_ids
-        stats.rounds[self.round_slot] = replace(
-            before,
-            emitted=before.emitted + (not ends),
-            ended_by_eos=ends,
-            deferral="rolled_back",
-        )
-        if ends:
-            return []
-        event = self._event(self.correction, "correction", self.correction_logprob)
-        return [(event, self.round_slot)]
+            events = [self._event(token, origin, logprob) for token, origin, logprob in triples]
+            decision = DeferralDecision(
+                confirmed=True,
+                exact=len(self.tokens) - 2,
+                loose_tokens=(self.loose_token,),
+                emitted=len(events),
+            )
+            return decision, events
+        events = []
+        if self.correction not in eos_token_ids:
+            events = [self._event(self.correction, "correction", self.correction_logprob)]
+        decision = DeferralDecision(confirmed=False, exact=0, loose_tokens=(), emitted=len(events))
+        return decision, events
 
     def _event(self, token: int, origin: Origin, logprob: TokenLogprob | None) -> TokenEvent:
         return TokenEvent(token=token, origin=origin, round_index=self.round_index, logprob=logprob)
@@ -118,22 +106,20 @@ class Held:
 
 @dataclass(frozen=True)
 class Committed:
-    """What committing a round gave: the events to deliver, each with the index of the round
-    statistics it counts in; whether the request ended; and the statistics index of the
-    deferring round this round settled (None when it settled none)."""
+    """What committing a round gave: the events to deliver, and whether the request ended."""
 
-    events: list[tuple[TokenEvent, int]]
+    events: list[TokenEvent]
     finished: bool
-    settled: int | None = None
 
 
 class Request:
     """One request's state between rounds and the steps the loop calls on it.
 
-    ``context``: the prompt, the emitted tokens and any held ones (what the next block drafts
-    after), the list of ``tokens``, which holds them on the device too. ``penalties`` and
-    ``grammar``: what changes the target's distribution before verification reads it (None:
-    nothing; :meth:`constrain`); a block is also cut where the grammar forbids its token.
+    ``context``: the prompt, the emitted tokens and those a ``pending`` deferral holds (what
+    the next block drafts after), the list of ``tokens``, which holds them on the device too.
+    ``penalties`` and ``grammar``: what changes the target's distribution before verification
+    reads it (None: nothing; :meth:`constrain`); a block is also cut where the grammar forbids
+    its token.
     ``logprobs``: each emitted token's log-probability is read, with that many alternatives
     (None: none are read). Each round is timed here: drafting in :meth:`draft`, the target's
     forward and the verification from then until :meth:`commit`. ``drafter`` is None for the
@@ -173,7 +159,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.produced = 0
-        self.held: Held | None = None
+        self.pending: PendingDeferral | None = None
         self.round_index = 0
         self._settings_kind = "lookup" if config.drafter == "ngram" else "model"
         self._kind = self._settings_kind
@@ -183,7 +169,7 @@ class Request:
 
     def room(self) -> int:
         """Tokens the budget has left, held tokens counted as spent."""
-        held = 0 if self.held is None else len(self.held.tokens)
+        held = 0 if self.pending is None else len(self.pending.tokens)
         return self.config.max_new_tokens - self.produced - held
 
     def block_size(self, room: int) -> int:
@@ -200,7 +186,7 @@ class Request:
         self._kind = self.drafter.plan(self.context) or self._settings_kind
         limit = 0 if alone else min(largest_block(self.config, self._kind), room - 1)
         return self.auto.choose(
-            self._kind, limit, at_least=0 if self.held is None else self.held.need
+            self._kind, limit, at_least=0 if self.pending is None else self.pending.need
         )
 
     def catch_up(self, k: int) -> None:
@@ -236,41 +222,42 @@ class Request:
     ) -> Committed:
         """Commit a verified round (``target_logits``: the target's ``[K+1, V]`` logits over
         it; None for a round of the target alone, which keeps nothing loosely) to the context
-        and the statistics. A round after a deferral first settles it:
-        confirmed, the held tokens come first; rolled back, the round is wasted and only the
-        correction is committed. A new deferral holds its tokens back."""
+        and the statistics, final from then on. A round after a deferral first decides it:
+        confirmed, the held tokens come first; rolled back, only the correction is emitted
+        and the block, drafted after tokens now taken back, keeps nothing. A new deferral
+        holds its tokens back for the next round to decide."""
         timing = {
             "draft_seconds": self._draft_seconds + self._catch_up_seconds,
             "verify_seconds": time.perf_counter() - self._drafted_at,
             "source": draft.source if len(draft) else None,
         }
-        held, settled = self.held, None
-        events: list[tuple[TokenEvent, int]] = []
-        if held is not None:
-            self.held, settled = None, held.round_slot
-            confirmed, events = self._settle(held, verdict)
-            if not confirmed:  # this round drafted after tokens now taken back: wasted
+        decision, events = None, []
+        if self.pending is not None:
+            decision, events = self._decide(self.pending, verdict)
+            ends = not decision.confirmed and self.pending.correction in self.eos_token_ids
+            self.pending = None
+            if not decision.confirmed:
                 wasted = RoundStats(
                     drafted=len(draft),
                     accepted=0,
                     loosely_accepted=0,
-                    emitted=0,
-                    deferral="wasted",
+                    emitted=decision.emitted,
+                    ended_by_eos=ends,
+                    decided=decision,
                     **timing,
                 )
                 self.stats.add_round(wasted)
                 self.round_index += 1
-                return Committed(events, held.correction in self.eos_token_ids, settled)
+                return Committed(events, ends)
         if verdict.deferral is not None and not self._can_defer(verdict, draft):
             verdict = verdict.without_deferral()
-        finished = self._keep(draft, verdict, target_logits, timing, events)
+        finished = self._keep(draft, verdict, target_logits, timing, events, decision)
         self.round_index += 1
-        return Committed(events, finished, settled)
+        return Committed(events, finished)
 
-    def learn(self, draft: Draft, verdict: Verdict, committed: Committed) -> None:
+    def learn(self, draft: Draft, verdict: Verdict) -> None:
         """Feedback of the committed round: to a drafter that adapts to what is kept, and to
-        ``-k auto`` (the round's costs, and the acceptance of this round and of the deferral
-        it settled, as committed)."""
+        ``-k auto`` (the round's costs, and the acceptance of the blocks now decided)."""
         if len(draft):
             self.drafter.observe(len(draft), verdict.num_kept)
         if self.auto is not None:
@@ -279,41 +266,37 @@ class Request:
                 drafted=len(draft),
                 draft_seconds=self._draft_seconds,
                 verify_seconds=self.stats.rounds[-1].verify_seconds,
-                settled=committed.settled,
             )
 
     def deliver(self, committed: Committed) -> Iterator[TokenEvent]:
         """Yield a round's events, the clock paused while the caller holds them; when the
-        caller stops early, the tokens it never received are taken off their rounds'
-        ``emitted``."""
+        caller stops early, the tokens it never received are counted as undelivered."""
         events = committed.events
-        for delivered, (event, _) in enumerate(events, start=1):
+        for delivered, event in enumerate(events, start=1):
             self.clock.pause()
             try:
                 yield event
             except GeneratorExit:
-                for _, slot in events[delivered:]:
-                    self.stats.rounds[slot] = replace(
-                        self.stats.rounds[slot], emitted=self.stats.rounds[slot].emitted - 1
-                    )
+                self.stats.undelivered += len(events) - delivered
                 self.stats.finish_reason = "cancelled"
                 raise
             self.clock.resume()
 
-    def _settle(self, held: Held, verdict: Verdict) -> tuple[bool, list[tuple[TokenEvent, int]]]:
-        """Decide the deferral ``held`` by this round's leading exact matches: confirmed, its
-        tokens are emitted; rolled back, they leave the context for the target's correction.
-        Whether it was confirmed, and the events it emits."""
-        confirmed = verdict.num_leading_exact >= held.need
-        events = held.resolve(confirmed, self.stats, eos_token_ids=self.eos_token_ids)
+    def _decide(
+        self, pending: PendingDeferral, verdict: Verdict
+    ) -> tuple[DeferralDecision, list[TokenEvent]]:
+        """Decide ``pending`` by this round's leading exact matches: confirmed, its tokens
+        are emitted; rolled back, they leave the context for the target's correction."""
+        confirmed = verdict.num_leading_exact >= pending.need
+        decision, events = pending.decide(confirmed, eos_token_ids=self.eos_token_ids)
         self.produced += len(events)
         if not confirmed:
-            self.tokens.truncate(len(self.context) - len(held.tokens))
+            self.tokens.truncate(len(self.context) - len(pending.tokens))
             self.tokens.extend(
-                [event.token for event, _ in events],
-                on_device=held.correction_on_device if events else None,
+                [event.token for event in events],
+                on_device=pending.correction_on_device if events else None,
             )
-        return confirmed, events
+        return decision, events
 
     def _can_defer(self, verdict: Verdict, draft: Draft) -> bool:
         """Whether a deferred window can be decided by the next block: no end-of-sequence
@@ -331,11 +314,13 @@ class Request:
         verdict: Verdict,
         target_logits: torch.Tensor | None,
         timing: dict,
-        events: list[tuple[TokenEvent, int]],
+        events: list[TokenEvent],
+        decision: DeferralDecision | None,
     ) -> bool:
         """Commit the block's kept tokens and the target's own token up to an end-of-sequence
-        token or a deferral (whose tokens are held back), count the round, and add its events
-        to ``events``. Whether the request ended."""
+        token or a deferral (whose tokens are held back), count the round (with the
+        ``decision`` on the deferral before it, whose ``events`` come first), and add its
+        events to ``events``. Whether the request ended."""
         deferral = verdict.deferral
         records = loose_records(
             verdict, draft, target_logits, entropy=self.config.fly.entropy, produced=self.produced
@@ -358,23 +343,22 @@ class Request:
                 drafted=len(draft),
                 accepted=min(verdict.num_kept, cut) - verdict.num_loose,
                 loosely_accepted=verdict.num_loose,
-                emitted=emitted,
+                emitted=len(events) + emitted,
                 ended_by_eos=finished,
-                deferral=None if deferral is None else "pending",
+                deferred=deferral is not None and not finished,
+                decided=decision,
                 loose_tokens=tuple(records[i] for i in verdict.loose_positions),
                 **timing,
             )
         )
-        slot = len(self.stats.rounds) - 1
         held = deferral is not None and not finished
         if held:
-            self.held = Held(
+            self.pending = PendingDeferral(
                 tokens=tokens[cut:],
                 origins=origins[cut:],
                 need=deferral.need,
                 correction=deferral.correction,
                 round_index=self.round_index,
-                round_slot=slot,
                 loose_token=records[deferral.position],
                 correction_on_device=verdict.correction_on_device(),
                 logprobs=tuple(logprobs[cut:]),
@@ -385,7 +369,7 @@ class Request:
         self.tokens.extend(tokens[:length], None if on_device is None else on_device[:length])
         triples = zip(tokens[:emitted], origins[:emitted], logprobs[:emitted], strict=True)
         events += [
-            (TokenEvent(token, origin, self.round_index, logprob), slot)
+            TokenEvent(token, origin, self.round_index, logprob)
             for token, origin, logprob in triples
         ]
         self.produced += emitted

@@ -33,10 +33,34 @@ class LooseToken:
 
 
 @dataclass(frozen=True)
+class DeferralDecision:
+    """How a round decided the window the round before it deferred (``FlyConfig.defer``):
+    ``confirmed``, the held draft tokens are kept (the deferred one loosely, ``loose_tokens``;
+    the ``exact`` matches after it) and emitted with that block's bonus; rolled back, the
+    target's correction is emitted in their place (``emitted`` 0 where it ends the request).
+    """
+
+    confirmed: bool
+    exact: int
+    loose_tokens: tuple[LooseToken, ...]
+    emitted: int
+
+    @property
+    def kept(self) -> int:
+        """Draft tokens of the deferring round's block this decision kept."""
+        return self.exact + len(self.loose_tokens)
+
+
+@dataclass(frozen=True)
 class RoundStats:
-    """One round: draft ``drafted`` tokens, verify, keep ``accepted + loosely_accepted`` of
-    them and emit ``emitted`` tokens (the kept ones plus a correction or bonus, fewer when the
-    request ended inside the round)."""
+    """One round, final once committed: draft ``drafted`` tokens, verify, keep ``accepted +
+    loosely_accepted`` of them and emit ``emitted`` tokens (the kept ones plus a correction or
+    bonus, fewer when the request ended inside the round).
+
+    With ``FlyConfig.defer`` a round may end ``deferred``: its last mismatch and the tokens
+    after it are held back, neither kept nor emitted by it. The next round decides them
+    (``decided``) and counts what that emits in its own ``emitted``; when it rolls them back,
+    its own block (drafted after the tokens taken back) keeps nothing."""
 
     drafted: int
     accepted: int
@@ -45,10 +69,8 @@ class RoundStats:
     draft_seconds: float
     verify_seconds: float
     ended_by_eos: bool = False
-    deferral: str | None = None
-    """``"confirmed"`` or ``"rolled_back"`` when the round deferred a window to the next
-    block (``FlyConfig.defer``), ``"pending"`` while that is undecided; a rolled-back round's
-    successor emits nothing (``"wasted"``)."""
+    deferred: bool = False
+    decided: DeferralDecision | None = None
     loose_tokens: tuple[LooseToken, ...] = ()
     source: str | None = None
     """Where the drafted tokens came from (:data:`flyspec.decoding.drafters.base.DraftSource`), None
@@ -60,9 +82,26 @@ class RoundStats:
         return self.emitted + int(self.ended_by_eos)
 
     @property
+    def kept(self) -> int:
+        """Draft tokens of this round's block it kept, exactly or loosely."""
+        return self.accepted + self.loosely_accepted
+
+    @property
     def rejected(self) -> int:
-        """Draft tokens not kept: the one at the cut and every one after it."""
-        return self.drafted - self.accepted - self.loosely_accepted
+        """Draft tokens this round did not keep: the one at the cut and every one after it
+        (those it deferred included)."""
+        return self.drafted - self.kept
+
+
+def kept_per_block(rounds: Sequence[RoundStats]) -> list[int]:
+    """The draft tokens each round's block kept in the end: its own kept ones, and for a
+    round that deferred, those the round after it confirmed (``rounds`` in order; the rounds
+    of several requests one after another are fine)."""
+    kept = [r.kept for r in rounds]
+    for index, (before, after) in enumerate(zip(rounds, rounds[1:], strict=False)):
+        if before.deferred and after.decided is not None:
+            kept[index] += after.decided.kept
+    return kept
 
 
 @dataclass
@@ -81,12 +120,19 @@ class RequestStats:
     """Prompt positions the target did not compute: held from the request before, or
     restored from the prompt cache."""
     rounds: list[RoundStats] = field(default_factory=list)
+    undelivered: int = 0
+    """Committed tokens the caller never took: it stopped iterating first."""
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     finish_reason: str | None = None
 
     def add_round(self, round_stats: RoundStats) -> None:
         self.rounds.append(round_stats)
+
+    @property
+    def decisions(self) -> list[DeferralDecision]:
+        """The deferred windows decided, in order."""
+        return [r.decided for r in self.rounds if r.decided is not None]
 
     def _total(self, name: str) -> int | float:
         return sum(getattr(r, name) for r in self.rounds)
@@ -101,38 +147,59 @@ class RequestStats:
 
     @property
     def accepted(self) -> int:
-        return int(self._total("accepted"))
+        """Draft tokens kept exactly, confirmed deferred windows included."""
+        return int(self._total("accepted")) + sum(d.exact for d in self.decisions)
 
     @property
     def loosely_accepted(self) -> int:
-        return int(self._total("loosely_accepted"))
+        return int(self._total("loosely_accepted")) + sum(
+            len(d.loose_tokens) for d in self.decisions
+        )
 
     @property
     def rejected(self) -> int:
-        return int(self._total("rejected"))
+        return self.drafted - self.accepted - self.loosely_accepted
 
     @property
     def emitted(self) -> int:
-        return int(self._total("emitted"))
+        """Tokens the caller received."""
+        return int(self._total("emitted")) - self.undelivered
+
+    @property
+    def committed(self) -> int:
+        """Tokens the caller received, an end-of-sequence token counted."""
+        return sum(r.committed for r in self.rounds) - self.undelivered
 
     @property
     def loose_tokens(self) -> list[LooseToken]:
-        return [token for r in self.rounds for token in r.loose_tokens]
+        """Every loosely kept token, in order (a deferred one with the round that confirmed
+        it)."""
+        return [
+            token
+            for r in self.rounds
+            for token in (*(() if r.decided is None else r.decided.loose_tokens), *r.loose_tokens)
+        ]
 
     @property
     def accepted_prediction_tokens(self) -> int:
         """Tokens drafted from the request's prediction and kept (exactly or loosely)."""
-        return sum(r.accepted + r.loosely_accepted for r in self.rounds if r.source == "prediction")
+        return sum(kept for r, kept in self._blocks() if r.source == "prediction")
 
     @property
     def rejected_prediction_tokens(self) -> int:
         """Tokens drafted from the request's prediction and not kept; a prediction token
         proposed in two rounds and rejected in both counts twice."""
-        return sum(r.rejected for r in self.rounds if r.source == "prediction")
+        return sum(r.drafted - kept for r, kept in self._blocks() if r.source == "prediction")
+
+    def _blocks(self) -> list[tuple[RoundStats, int]]:
+        """Each round with what its block kept in the end (:func:`kept_per_block`)."""
+        return list(zip(self.rounds, kept_per_block(self.rounds), strict=True))
 
     def deferrals(self, outcome: str) -> int:
-        """Rounds whose deferral ended with ``outcome`` (``confirmed``, ``rolled_back``)."""
-        return sum(r.deferral == outcome for r in self.rounds)
+        """Deferred windows decided with ``outcome`` (``confirmed``, ``rolled_back``)."""
+        if outcome not in ("confirmed", "rolled_back"):
+            raise ValueError(f"no deferral outcome {outcome!r}: confirmed or rolled_back")
+        return sum(d.confirmed == (outcome == "confirmed") for d in self.decisions)
 
     @property
     def draft_seconds(self) -> float:
@@ -146,7 +213,7 @@ class RequestStats:
     def tau(self) -> float:
         if not self.rounds:
             return 0.0
-        return sum(r.committed for r in self.rounds) / self.num_rounds
+        return self.committed / self.num_rounds
 
     @property
     def tokens_per_second(self) -> float:
@@ -161,7 +228,7 @@ class RequestStats:
             "loosely_accepted": self.loosely_accepted,
             "rejected": self.rejected,
             "emitted": self.emitted,
-            "committed": sum(r.committed for r in self.rounds),
+            "committed": self.committed,
             "tau": round(self.tau, 4),
             "seconds": round(self.seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from flyspec.config import LONG_BLOCK
-from flyspec.decoding.stats import RoundStats
+from flyspec.decoding.stats import DeferralDecision, RoundStats
 
 PROBE_AFTER = 16
 """Rounds of the target alone after which one round drafts again, to refresh the rates."""
@@ -100,8 +100,8 @@ class AutoK:
     Per draft position ``i`` it counts the rounds that reached it (``reached``), kept it
     exactly (``exact``), and, among the rounds where a loose keep was possible there (the
     window fit in the block: ``loose_possible``), kept it loosely (``loose``). Costs are
-    learnt from every round (:meth:`observe_costs`), acceptance only from a round whose
-    verdict is final (:meth:`observe_round`).
+    learnt from every round (:meth:`observe_costs`), acceptance from each block once it is
+    decided (:meth:`observe_block`).
     """
 
     max_k: int
@@ -213,17 +213,17 @@ class AutoK:
             if i < kept:
                 (self.loose if i in loose else self.exact)[i] += 1
 
-    def observe_round(self, round_stats: RoundStats) -> None:
-        """Fold in a committed round's acceptance, as the request settled it: a deferred
-        window counts once the next block confirmed or rolled it back, and a round wasted by
-        a rollback teaches nothing (it drafted after tokens that were then taken back)."""
-        if round_stats.deferral in ("pending", "wasted"):
-            return
-        self.observe_acceptance(
-            drafted=round_stats.drafted,
-            kept=round_stats.accepted + round_stats.loosely_accepted,
-            loose_positions=[token.position for token in round_stats.loose_tokens],
-        )
+    def observe_block(
+        self, round_stats: RoundStats, decision: DeferralDecision | None = None
+    ) -> None:
+        """Fold in a committed round's acceptance; for a round that deferred, with the
+        ``decision`` the next round made on it (the held tokens it kept count as kept)."""
+        kept = round_stats.kept
+        loose = [token.position for token in round_stats.loose_tokens]
+        if decision is not None:
+            kept += decision.kept
+            loose += [token.position for token in decision.loose_tokens]
+        self.observe_acceptance(drafted=round_stats.drafted, kept=kept, loose_positions=loose)
 
 
 @dataclass
@@ -261,16 +261,17 @@ class AutoKPolicies:
 class RequestAutoK:
     """``-k auto``'s controller within one request: before each round, the policy of the kind
     of block the next round drafts (``model``, ``lookup``, ``prediction``, ...: the loop
-    says which) chooses K; after it, that policy learns the round's costs and, once
-    committed, its acceptance. A deferred window is settled by the next round: the policy
-    that chose the deferring round learns it then.
+    says which) chooses K; after it, that policy learns the round's costs and its block's
+    acceptance. A deferring round's acceptance is learnt once the next round has decided
+    it, by the policy that chose its block; the block of a round that rolled a deferral back
+    (drafted after tokens taken back) teaches nothing.
     """
 
     def __init__(self, policies: AutoKPolicies, config) -> None:
         self.policies = policies
         self.config = config
         self._policy: AutoK | None = None
-        self._chose: dict[int, AutoK] = {}  # round slot -> the policy that chose its block
+        self._deferring: AutoK | None = None  # the policy that chose a deferring round's block
 
     def choose(self, kind: str, limit: int, *, at_least: int = 0) -> int:
         """K for the next round, a block of ``kind`` (at most ``limit``, at least
@@ -285,18 +286,18 @@ class RequestAutoK:
         drafted: int,
         draft_seconds: float,
         verify_seconds: float,
-        settled: int | None,
     ) -> None:
         """The last of ``rounds`` was committed after drafting ``drafted`` tokens in
-        ``draft_seconds`` (the catch-up left out) and verifying them in ``verify_seconds``,
-        settling the deferral of round ``settled`` (None: there was none)."""
+        ``draft_seconds`` (the catch-up left out) and verifying them in ``verify_seconds``."""
         self._policy.observe_costs(
             drafted=drafted, draft_seconds=draft_seconds, verify_seconds=verify_seconds
         )
-        self._chose[len(rounds) - 1] = self._policy
-        self._policy.observe_round(rounds[-1])
-        if settled is not None:
-            self._chose[settled].observe_round(rounds[settled])
+        last = rounds[-1]
+        if not last.deferred and (last.decided is None or last.decided.confirmed):
+            self._policy.observe_block(last)
+        if last.decided is not None and self._deferring is not None:
+            self._deferring.observe_block(rounds[-2], last.decided)
+        self._deferring = self._policy if last.deferred else None
 
 
 def _smooth(before: float, measured: float) -> float:
