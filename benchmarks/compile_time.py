@@ -1,11 +1,12 @@
 """How long the compiled forward takes to compile, cold and warm, by depth of model.
 
-Each model (the first-look script's configs, by default narrowed as in its CPU rehearsal:
-``gpu_first_look.py --rehearse``) is built with random weights and compiled by
-:class:`flyspec.models.lean.LeanForward` in a process of its own, twice over one inductor cache
-folder made empty for it: cold (inductor builds every kernel) and warm (a second process, as a
-later run on the same machine). Each process compiles the two graphs a model needs (a block,
-then one token) and then times the compiled and the eager one-token forward::
+Each model (the first-look script's configs and builder, ``first_look/models.py``, by default
+narrowed as in its CPU rehearsal: ``gpu_first_look.py --rehearse``) is built with random
+weights and compiled by :class:`flyspec.models.lean.LeanForward` in a process of its own, twice
+over one inductor cache folder made empty for it: cold (inductor builds every kernel) and warm
+(a second process, as a later run on the same machine). Each process compiles the two graphs a
+model needs (a block, then one token) and then times the compiled and the eager one-token
+forward::
 
     python benchmarks/compile_time.py                          # 24, 28 and 64 layers, bfloat16
     python benchmarks/compile_time.py --models 1.5b --dtype float32
@@ -16,7 +17,6 @@ It prints one Markdown table (the machine's CPU above it) and, with ``--json``, 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -34,30 +34,19 @@ PROMPT_TOKENS = 24
 TIMED_FORWARDS = 15
 
 
-def first_look():
-    """``benchmarks/gpu_first_look.py`` as a module (its model configs and builder)."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_first_look", BENCHMARKS / "gpu_first_look.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure(name: str, *, dtype_name: str, shapes: str, threads: int) -> dict:
     """In this process: build model ``name``, compile its forward (a block, then one token)
     and time the compiled and eager one-token forwards (medians, ms)."""
     import torch
+    from first_look.models import build_model, load_config
     from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
     from flyspec.models.lean import LeanForward
 
     torch.set_num_threads(threads)
-    look = first_look()
-    config = look.load_config(name, shapes=shapes)
+    config = load_config(name, shapes=shapes)
     dtype = getattr(torch, dtype_name)
-    model = look.build_model(config, device=torch.device("cpu"), dtype=dtype, seed=0)
+    model = build_model(config, device=torch.device("cpu"), dtype=dtype, seed=0)
     ids = torch.randint(config.vocab_size, (1, PROMPT_TOKENS + 1), generator=torch.Generator())
     clear_compilation_metrics()
     compiled = LeanForward(model, compiled=True)

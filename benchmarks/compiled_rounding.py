@@ -26,6 +26,8 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS.parent / "src"))
 
+from first_look.models import MODELS, build_model, load_config, random_prompt  # noqa: E402
+
 from flyspec.config import DecodeConfig  # noqa: E402
 from flyspec.decoding.loop import SpeculativeDecoder  # noqa: E402
 from flyspec.models.cache import CachedLM, common_prefix_length  # noqa: E402
@@ -48,21 +50,20 @@ def margins(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    gpu_first_look = __import__("gpu_first_look")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="0.5b", choices=sorted(gpu_first_look.MODELS))
+    parser.add_argument("--model", default="0.5b", choices=sorted(MODELS))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=64, help="prompt length")
     parser.add_argument("--layers", type=int, help="keep only this many layers (faster)")
     args = parser.parse_args(argv)
-    config = gpu_first_look.load_config(args.model, tiny=False)
+    config = load_config(args.model, shapes="real")
     if args.layers:
         config.num_hidden_layers = args.layers
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model = gpu_first_look.build_model(config, device=device, dtype=dtype, seed=1)
-    prompt = gpu_first_look.random_prompt(config.vocab_size, args.prompt)
+    model = build_model(config, device=device, dtype=dtype, seed=1)
+    prompt = random_prompt(config.vocab_size, args.prompt)
     print(
         f"{args.model} shape, {config.num_hidden_layers} layers, {args.dtype} on {device}, "
         f"torch {torch.__version__}: {args.tokens} greedy tokens after {args.prompt} random ones"

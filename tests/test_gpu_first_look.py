@@ -1,22 +1,39 @@
 """benchmarks/gpu_first_look.py: its CPU form runs every phase on tiny shapes, prints the table
 it writes under $OUT and --output, and a failing phase is a row that does not stop the run."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from flyspec.config import DecodeConfig
+from flyspec.decoding.loop import SpeculativeDecoder
+from flyspec.models.cache import common_prefix_length
+from flyspec.models.timing import DeviceSpan
 from tests.tiny import make_tiny_model
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_first_look.py"
-_SPEC = importlib.util.spec_from_file_location("gpu_first_look", _PATH)
-gpu_first_look = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = gpu_first_look  # its dataclasses look their module up by name
-_SPEC.loader.exec_module(gpu_first_look)
+sys.path.insert(0, str(_PATH.parent))  # the script's package, first_look, beside it
+
+from first_look.phases.compiled import same_as_eager  # noqa: E402
+from first_look.phases.goals import GOALS  # noqa: E402
+from first_look.phases.kernel_check import kernel_row  # noqa: E402
+from first_look.phases.projection import break_even_text  # noqa: E402
+from first_look.phases.replay import load_replay_traces  # noqa: E402
+from first_look.phases.same_tokens import (  # noqa: E402
+    NEAR_TIE,
+    SameTokensCase,
+    compiled_against_eager_row,
+    same_tokens_row,
+)
+from first_look.plan import QUICK_ORDER, QUICK_REPLAYS, REPLAYS, TINY  # noqa: E402
+from first_look.runner import PhaseRunner  # noqa: E402
+from first_look.table import Row, markdown, write_outputs  # noqa: E402
 
 TAU = json.loads((_PATH.parent / "gpu_configs" / "measured_tau.json").read_text())
 TAU_ENTRIES = [(e["method"], e["k"], e["tau"]) for run in TAU["runs"] for e in run["tau"]]
@@ -106,11 +123,11 @@ def test_every_phase_has_its_rows_and_only_the_kernel_check_is_skipped(cpu_form)
         "kernel check": 1,
         "attention": 3,  # a row per target
         "compiled": 3 * 2 + 1,  # each target alone and its V(n); the first drafting for itself
-        "replay": sum(len(plan) for plan in gpu_first_look.REPLAYS.values()),
+        "replay": sum(len(plan) for plan in REPLAYS.values()),
         # the models that compile: the same tokens' target and draft, and each target (all
         # float32 on the CPU, and of one tiny shape: the first compiles, the others reuse)
         "compiles": 4,
-        "goal": len(gpu_first_look.GOALS) + 1,
+        "goal": len(GOALS) + 1,
     }
     (kernel,) = rows_of(report, "kernel check")
     assert kernel["status"] == "skipped"
@@ -163,7 +180,7 @@ def test_exact_decodes_give_the_target_alone_tokens_and_the_others_run(cpu_form)
         assert row["result"] == "24/24 tokens as the target alone"
     for row in cases:
         values = row["values"]
-        assert values["tokens"] == gpu_first_look.TINY.same_tokens
+        assert values["tokens"] == TINY.same_tokens
         if row in lossless:
             assert values["same_as_target"] == values["tokens"]
             assert row["result"] == "24/24 tokens as the target alone"
@@ -180,17 +197,15 @@ def test_exact_decodes_give_the_target_alone_tokens_and_the_others_run(cpu_form)
 
 def test_an_exact_decode_that_differs_fails_with_the_target_margin_there():
     target, other = make_tiny_model(vocab_size=64, seed=3), make_tiny_model(vocab_size=64, seed=4)
-    case = gpu_first_look.SameTokensCase(
-        "spd", gpu_first_look.DecodeConfig(mode="spd", k=4), draft="self"
-    )
+    case = SameTokensCase("spd", DecodeConfig(mode="spd", k=4), draft="self")
     prompt = [5, 6, 7, 8]
     wrong = [
         event.token
-        for event in gpu_first_look.SpeculativeDecoder(other).stream(
-            prompt, gpu_first_look.DecodeConfig(mode="target", max_new_tokens=8)
+        for event in SpeculativeDecoder(other).stream(
+            prompt, DecodeConfig(mode="target", max_new_tokens=8)
         )
     ]
-    row = gpu_first_look.same_tokens_row(case, target, target, prompt, wrong)
+    row = same_tokens_row(case, target, target, prompt, wrong)
     assert row.status == "failed"
     differs = row.values["same_as_target"]
     assert row.result == f"differs from the target alone at token {differs + 1} of 8"
@@ -201,19 +216,25 @@ def test_an_exact_decode_that_differs_fails_with_the_target_margin_there():
 def test_a_compiled_decode_that_leaves_eager_where_the_target_was_sure_fails():
     target, other = make_tiny_model(vocab_size=64, seed=3), make_tiny_model(vocab_size=64, seed=4)
     prompt = [5, 6, 7, 8]
-    config = gpu_first_look.DecodeConfig(mode="target", max_new_tokens=8)
-    wrong = [e.token for e in gpu_first_look.SpeculativeDecoder(other).stream(prompt, config)]
+    config = DecodeConfig(mode="target", max_new_tokens=8)
+    wrong = [e.token for e in SpeculativeDecoder(other).stream(prompt, config)]
     compiled: list[int] = []
-    row = gpu_first_look.compiled_against_eager_row(target, prompt, wrong, compiled)
+    row = compiled_against_eager_row(target, prompt, wrong, compiled)
     differs = row.values["same_as_eager"]
     assert compiled and compiled != wrong and row.values["token_ids"] == compiled
-    assert row.values["eager_top2_margin"] >= gpu_first_look.NEAR_TIE
+    assert row.values["eager_top2_margin"] >= NEAR_TIE
     assert (row.status, row.result) == ("failed", f"differs from eager at token {differs + 1} of 8")
     assert set(row.values["compile_checks"]) == {"token", "block"}
 
 
+def test_a_device_span_on_the_cpu_is_the_clock_around_its_block():
+    with DeviceSpan(torch.device("cpu")) as span:
+        time.sleep(0.02)
+    assert 0.02 <= span.seconds() < 1
+
+
 def test_the_tokens_in_common_count_up_to_a_missing_or_extra_one():
-    common = gpu_first_look.common_prefix_length  # what the rows count with
+    common = common_prefix_length  # what the rows count with
     assert common([1, 2, 3], [1, 2, 3]) == 3
     assert common([1, 9, 3], [1, 2, 3]) == 1
     assert common([1, 2], [1, 2, 3]) == 2
@@ -252,9 +273,9 @@ def test_the_compiled_rows_compare_with_the_eager_rows_of_the_run(cpu_form):
 def test_each_trace_is_replayed_at_its_recorded_acceptance(cpu_form):
     _, report, _ = cpu_form
     replays = rows_of(report, "replay")
-    traces = gpu_first_look.load_replay_traces()
-    plan = [pair for name in ("1.5b", "7b", "32b") for pair in gpu_first_look.REPLAYS[name]]
-    names = [name for name in ("1.5b", "7b", "32b") for _ in gpu_first_look.REPLAYS[name]]
+    traces = load_replay_traces()
+    plan = [pair for name in ("1.5b", "7b", "32b") for pair in REPLAYS[name]]
+    names = [name for name in ("1.5b", "7b", "32b") for _ in REPLAYS[name]]
     expected = [
         f"{trace} ({subset}) on the {name} target, compiled"
         for name, (subset, trace) in zip(names, plan, strict=True)
@@ -286,12 +307,12 @@ def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
     }
     # the targets' goals first, the same tokens after them, the tables of compiles and goals last
     assert phases.index("compiled") < phases.index("same tokens") < phases.index("compiles")
-    assert phases[-len(gpu_first_look.GOALS) - 1 :] == ["goal"] * (len(gpu_first_look.GOALS) + 1)
+    assert phases[-len(GOALS) - 1 :] == ["goal"] * (len(GOALS) + 1)
     replays = [row["subject"] for row in rows_of(report, "replay")]
     assert replays == [
         f"{trace} ({subset}) on the {name} target, compiled"
-        for name in gpu_first_look.QUICK_ORDER
-        for subset, trace in gpu_first_look.QUICK_REPLAYS.get(name, ())
+        for name in QUICK_ORDER
+        for subset, trace in QUICK_REPLAYS.get(name, ())
     ]
     compiled = [row["subject"] for row in rows_of(report, "compiled")]
     assert compiled[0] == "target 32b, mode target, compiled"  # the largest first
@@ -300,7 +321,7 @@ def test_the_quick_form_runs_the_goal_rows_only(tmp_path):
 
 def test_a_compiled_decode_that_differs_is_told_not_failed():
     values = {"token_ids": [1, 2, 7, 4]}
-    text = gpu_first_look.same_as_eager(values, [1, 2, 3, 4])
+    text = same_as_eager(values, [1, 2, 3, 4])
     assert text == "the eager decode's tokens up to token 3 of 4"
     assert values["same_as_eager"] == 2
 
@@ -336,8 +357,8 @@ def test_projections_follow_break_even_from_the_measured_costs_and_tau(cpu_form)
 
 
 def test_a_projection_out_of_reach_says_so_rather_than_a_bound_under_one():
-    assert gpu_first_look.break_even_text(8, 6.96, 0.5) == "breaks even at V(9)/V(1) <= 2.96"
-    text = gpu_first_look.break_even_text(8, 6.96, 0.8)  # needs 0.56: under one V(1)
+    assert break_even_text(8, 6.96, 0.5) == "breaks even at V(9)/V(1) <= 2.96"
+    text = break_even_text(8, 6.96, 0.8)  # needs 0.56: under one V(1)
     assert text == (
         "cannot break even: its 8 drafts cost 6.40 V(1) and the verify at least V(1), "
         "for 6.96 tokens"
@@ -345,28 +366,24 @@ def test_a_projection_out_of_reach_says_so_rather_than_a_bound_under_one():
 
 
 def test_a_failed_phase_is_a_row_with_its_reason_and_the_next_phase_runs():
-    table = gpu_first_look.Table(time_limit=600)
+    table = PhaseRunner(time_limit=600)
 
     def out_of_memory():
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
 
     table.phase("model", "32b", out_of_memory)
-    table.phase(
-        "bandwidth", "copy", lambda: gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")
-    )
+    table.phase("bandwidth", "copy", lambda: Row("bandwidth", "copy", "ok", "1 GB/s"))
     failed, ran = table.rows
     assert (failed.status, failed.result) == (
         "failed",
         "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
     )
     assert ran.status == "ok"
-    assert "| model | 32b | FAILED: RuntimeError: CUDA out of memory" in gpu_first_look.markdown(
-        table.rows
-    )
+    assert "| model | 32b | FAILED: RuntimeError: CUDA out of memory" in markdown(table.rows)
 
 
 def test_phases_past_the_time_limit_are_skipped():
-    table = gpu_first_look.Table(time_limit=-1)
+    table = PhaseRunner(time_limit=-1)
     table.phase("model", "7b", lambda: pytest.fail("a phase past the time limit ran"))
     (row,) = table.rows
     assert (row.status, row.result) == ("skipped", "time limit of -1 s")
@@ -374,8 +391,8 @@ def test_phases_past_the_time_limit_are_skipped():
 
 def test_a_phase_that_would_end_past_the_time_limit_is_skipped_and_rows_are_saved_as_made():
     saved = []
-    table = gpu_first_look.Table(time_limit=60, after_phase=lambda rows: saved.append(len(rows)))
-    ok = gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")
+    table = PhaseRunner(time_limit=60, after_phase=lambda rows: saved.append(len(rows)))
+    ok = Row("bandwidth", "copy", "ok", "1 GB/s")
     table.phase("bandwidth", "copy", lambda: ok, needs=30)
     table.phase("compiled", "1.5b", lambda: pytest.fail("it would end too late"), needs=90)
     assert [row.status for row in table.rows] == ["ok", "skipped"]
@@ -387,21 +404,21 @@ def test_a_run_cut_short_leaves_its_rows_marked_partial(tmp_path):
     env = {"device_description": "a GPU", "elapsed_s": 12.0, "complete": False}
     env |= {k: "x" for k in ("dtype", "torch", "transformers", "python", "commit", "date")}
     env["tiny"] = False
-    rows = [gpu_first_look.Row("bandwidth", "copy", "ok", "1 GB/s")]
-    gpu_first_look.write_outputs(tmp_path, env, rows)
+    rows = [Row("bandwidth", "copy", "ok", "1 GB/s")]
+    write_outputs(tmp_path, env, rows)
     assert "PARTIAL" in (tmp_path / "gpu_first_look.md").read_text()
-    gpu_first_look.write_outputs(tmp_path, {**env, "complete": True}, rows)
+    write_outputs(tmp_path, {**env, "complete": True}, rows)
     assert "PARTIAL" not in (tmp_path / "gpu_first_look.md").read_text()
 
 
 def test_the_kernel_check_says_why_it_did_not_run(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cpu = gpu_first_look.torch.device("cpu")
-    missing = gpu_first_look.kernel_row(cpu, gpu_first_look.TINY, None, kernels=tmp_path)
+    cpu = torch.device("cpu")
+    missing = kernel_row(cpu, TINY, None, kernels=tmp_path)
     assert (missing.status, missing.result) == ("skipped", "kernels not extracted")
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
-    interpreted = gpu_first_look.kernel_row(cpu, gpu_first_look.TINY, None, kernels=tmp_path)
+    interpreted = kernel_row(cpu, TINY, None, kernels=tmp_path)
     assert (interpreted.status, interpreted.result) == (
         "skipped",
         "on the CPU it needs TRITON_INTERPRET=1",
@@ -435,7 +452,7 @@ def test_the_rehearsal_builds_and_compiles_every_model_of_the_lease(tmp_path):
         assert values["graphs"] == 2 and not values["failures"]  # one token, and blocks
         assert len(values["compile_s"]) == 2 and min(values["compile_s"]) > 0
     goals = rows_of(report, "goal")
-    assert len(goals) == len(gpu_first_look.GOALS) + 1
+    assert len(goals) == len(GOALS) + 1
     assert all(
         row["result"].split(":")[0].split(" ")[0] in ("MET", "MISSED", "NOT") for row in goals
     )
