@@ -33,7 +33,6 @@ from flyspec.cli.options import (
     dtype_name,
     forward_threads,
     load_engine,
-    load_llamacpp_engine,
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
@@ -193,8 +192,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if bases - on_gguf:
         engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT & bases))
     if on_gguf:
-        llamacpp_engine = load_llamacpp_engine(
-            args, with_draft=bool(LLAMACPP_METHODS_NEEDING_DRAFT & bases)
+        llamacpp_engine = load_engine(
+            args, with_draft=bool(LLAMACPP_METHODS_NEEDING_DRAFT & bases), backend="llamacpp"
         )
     prompts, dataset, chat = _prompts(args, (engine or llamacpp_engine).tokenizer)
     output = Path(args.output or f"results/bench-{dataset}-{stamp}")
