@@ -1,5 +1,6 @@
 """``flyspec bench``: speed of flyspec's methods and transformers' peers side by side, of vLLM's
-methods (``--engine vllm``), or the cost of a multi-token forward (``--forward-cost``)."""
+methods (``--engine vllm``), of one method against the target alone on one prompt
+(``--prompt``, the quick start's), or the cost of a multi-token forward (``--forward-cost``)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "bench",
         help="measure speed: flyspec's methods and transformers' peers side by side",
         description="Measure the speed of flyspec's methods and transformers' peers on the same "
-        "models and prompts, interleaved per prompt; or (--forward-cost) the cost of a multi-token "
-        "forward relative to a one-token forward.",
+        "models and prompts, interleaved per prompt; or (--prompt) one method against the target "
+        "alone and llama.cpp's plain decoding on one prompt; or (--forward-cost) the cost of a "
+        "multi-token forward relative to a one-token forward.",
     )
     add_model_arguments(bench)
     runs = bench.add_argument_group("what runs")
