@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/flyspec models pull --gguf  # the GGUF files: llama.cpp's speed too, where installed
-.venv/bin/flyspec generate --chat --show --compare-target --max-tokens 128 \
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+.venv/bin/flyspec bench --chat --show --max-tokens 128 \
+    --prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."

@@ -129,9 +129,7 @@ def generate_on_tiny_pair(capsys, tiny_pair, *extra):
 
 
 def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
-    code, out, _ = generate_on_tiny_pair(
-        capsys, tiny_pair, "--max-new-tokens", "12", "--json", "--compare-target"
-    )
+    code, out, _ = generate_on_tiny_pair(capsys, tiny_pair, "--max-new-tokens", "12", "--json")
     assert code == 0
     result = json.loads(out)
     stats = result["stats"]
@@ -139,12 +137,74 @@ def test_generate_json_on_the_tiny_pair(capsys, tiny_pair):
         assert isinstance(stats[name], int)
     assert stats["emitted"] == len(result["token_ids"])
     assert isinstance(result["text"], str) and "tau" in stats and "seconds" in stats
+    assert result["peak_rss_bytes"] > 0
+
+
+def bench_one_prompt(capsys, tiny_pair, *extra):
+    draft, target = tiny_pair
+    pair = ("--model", str(target), "--draft-model", str(draft))
+    return run_cli(capsys, "bench", "--prompt", "def f", *pair, "--max-tokens", "12", *extra)
+
+
+def test_bench_one_prompt_json_times_the_method_beside_the_target_alone(capsys, tiny_pair):
+    code, out, err = bench_one_prompt(capsys, tiny_pair, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["emitted"] == len(result["token_ids"]) and result["text"]
     assert result["baseline"]["stats"]["tau"] == 1.0
     assert result["speedup"] > 0
-    assert len(result["baseline_runs"]) == len(result["runs"]) == 2  # --compare-pairs 2
+    assert len(result["baseline_runs"]) == len(result["runs"]) == 2  # two alternated pairs
     spread = result["speedup_spread"]
     assert spread["repeats"] == 2 and spread["low"] <= result["speedup"] <= spread["high"]
     assert isinstance(result["reliable"], bool) and "busy" in result["machine_load"]
+    assert result["peak_rss_bytes"] > 0
+    assert "timing the target alone (2/2) ..." in err and "running fly (2/2), shown ..." in err
+
+
+def test_bench_one_prompt_streams_the_answer_then_the_speedup(capsys, tiny_pair):
+    code, out, err = bench_one_prompt(
+        capsys, tiny_pair, "--methods", "spd@4", "--repeats", "1", "--show"
+    )
+    assert code == 0, err
+    assert out.endswith("\n") and "\033[" in out  # coloured by origin
+    summary, speedup = err.splitlines()[-2:]
+    assert summary.startswith("[spd@4] ") and "tokens in" in summary
+    assert "speedup over the target alone" in speedup
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["--methods", "fly,spd"], "--prompt times one method of flyspec's decoder"),
+        (["--methods", "target"], "--prompt times one method of flyspec's decoder"),
+        (["--methods", "hf-pld"], "--prompt times one method of flyspec's decoder"),
+        (["--methods", "fly@0"], "block size after @"),
+        (["--methods", "predict"], "predict drafts from a prediction: give --prediction"),
+        (["--prediction", "p.txt"], "fly drafts from no prediction"),
+        (["--limit", "3"], "--prompt times one prompt: drop --limit"),
+        (["--forward-cost"], "--prompt times one prompt: drop --forward-cost"),
+        (["--engine", "vllm"], "--prompt times one prompt: drop --engine vllm"),
+        (["--repeats", "0"], "--repeats and --context-tokens must be >= 1"),
+    ],
+)
+def test_bench_one_prompt_refuses_what_it_cannot_do_in_one_line(capsys, arguments, fragment):
+    code, _, err = run_cli(capsys, "bench", "--prompt", "x", *arguments)
+    assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.parametrize("arguments", [["--show"], ["--prediction", "p.txt"]])
+def test_the_one_prompt_options_need_a_prompt(capsys, arguments):
+    code, _, err = run_cli(capsys, "bench", *arguments)
+    assert_one_line_error(code, err, "is for --prompt")
+
+
+@pytest.mark.parametrize(
+    "arguments", [["--compare-target"], ["--compare-pairs", "3"], ["--json", "--compare-target"]]
+)
+def test_generate_points_the_comparison_to_bench_in_one_line(capsys, arguments):
+    code, out, err = run_cli(capsys, "generate", "x", *arguments)
+    assert_one_line_error(code, err, "`flyspec bench --prompt PROMPT`")
+    assert out == "" and "loading" not in err
 
 
 def test_generate_decodes_under_the_penalties_given(capsys, tiny_pair):
@@ -170,7 +230,7 @@ def test_generate_decodes_under_the_penalties_given(capsys, tiny_pair):
 
 
 def comparison(target_speeds, method_speeds, others_cpu_fraction):
-    from flyspec.cli.generate import TargetComparison
+    from flyspec.bench.one_prompt import TargetComparison
     from flyspec.support.machine import CpuLoad
 
     def stats(tokens_per_second):  # the two members of RequestStats the comparison reads
@@ -203,10 +263,10 @@ def test_pairs_that_agree_on_direction_and_size_give_their_range_plainly():
 
 
 def test_the_closing_lines_name_llamacpps_speeds_where_they_ran_the_server_first():
-    from flyspec.cli.generate import PlainPeer
+    from flyspec.bench.one_prompt import PlainPeer
 
     compared = comparison([4.0, 4.0], [10.0, 10.0], 0.01)
-    compared.mode = "fly"
+    compared.label = "fly"
     compared.peers = [
         PlainPeer("llama-server", "llama_server", None, "t.gguf", [25.0, 20.0]),
         PlainPeer("llama.cpp's Python binding", "llamacpp", None, "t.gguf", [20.0, 25.0, 22.0]),
@@ -274,14 +334,19 @@ def test_generate_with_a_prediction_keeps_the_text_and_counts_it(capsys, tiny_pa
     assert code == 0 and "of its drafted tokens kept" in err
 
 
-@pytest.mark.parametrize("extra", [["--json"], [], ["--compare-target", "--compare-pairs", "1"]])
-def test_a_prediction_past_the_context_is_a_one_line_error(capsys, tiny_pair, tmp_path, extra):
+@pytest.mark.parametrize("bench", [False, True])
+@pytest.mark.parametrize("extra", [["--json"], []])
+def test_a_prediction_past_the_context_is_a_one_line_error(
+    capsys, tiny_pair, tmp_path, extra, bench
+):
     """Checked once, by the library, before any timed run."""
     prediction = tmp_path / "prediction.txt"
     prediction.write_text("x = 1\n" * 1024, encoding="utf-8")  # the tiny models hold 1024
-    code, _, err = generate_on_tiny_pair(
-        capsys, tiny_pair, "--mode", "spd", "--prediction", str(prediction), *extra
-    )
+    given = ("--prediction", str(prediction), *extra)
+    if bench:
+        code, _, err = bench_one_prompt(capsys, tiny_pair, "--methods", "predict", *given)
+    else:
+        code, _, err = generate_on_tiny_pair(capsys, tiny_pair, "--mode", "spd", *given)
     assert_one_line_error(code, err, "does not fit in the model's context")
     assert "timing" not in err
 

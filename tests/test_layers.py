@@ -207,6 +207,36 @@ def test_only_commands_import_the_cli():
     assert {name: cli for name, cli in importers.items() if cli} == {}
 
 
+def imported_names(name: str) -> set[str]:
+    """The names ``name`` imports from flyspec modules (``from flyspec.x import a`` gives
+    ``a``), imports inside functions included."""
+    return {
+        alias.name
+        for node in _runtime_nodes(ast.parse(MODULES[name].read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flyspec")
+        for alias in node.names
+    }
+
+
+PAIR_BUILDING = {"load_causal_lm", "check_same_tokenizer", "gguf_tokenizer", "apply_cpu_kernels"}
+"""What building a model pair is made of: loading a torch model, checking the tokenizers,
+reading a GGUF file's tokenizer, switching to the CPU kernels."""
+
+
+def test_a_pair_is_built_in_models_only():
+    """Loading a pair, for every backend, is ``flyspec.models.pair.load_pair``: the engine
+    and the commands call it and build no model themselves."""
+    builders = {
+        name: sorted(imported_names(name) & PAIR_BUILDING)
+        for name in MODULES
+        if not name.startswith("flyspec.models")
+    }
+    assert {name: found for name, found in builders.items() if found} == {}
+    assert "flyspec.models.pair" in GRAPH["flyspec.engine"]
+    assert "flyspec.models.pair" in GRAPH["flyspec.cli.options"]
+    assert not any(target.startswith("flyspec.engine") for target in GRAPH["flyspec.models.pair"])
+
+
 def test_only_the_test_oracles_import_the_test_oracles():
     importers = {
         name: sorted(target for target in targets if target.startswith("flyspec.testing"))

@@ -290,8 +290,8 @@ def test_the_quick_start_comparison_times_llama_server_first_and_stops_it(
     monkeypatch.setenv("FLYSPEC_HOME", str(tmp_path / "home"))
     _, _, _, draft_path, target_path = tiny_ggufs
     pair = ["--model", str(target_path), "--draft-model", str(draft_path), "--threads", "1"]
-    command = ["generate", "--backend", "llamacpp", *pair, "--json", "--max-tokens", "6"]
-    code = main([*command, "--compare-target", "--compare-pairs", "1", "def fibonacci("])
+    command = ["bench", "--methods", "llamacpp-fly", *pair, "--json", "--max-tokens", "6"]
+    code = main([*command, "--repeats", "1", "--prompt", "def fibonacci("])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     payload = json.loads(captured.out)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flyspec.engine import eos_token_ids
 from flyspec.errors import FlyspecError
 from flyspec.models import check_same_tokenizer, load_causal_lm, load_tokenizer, resolve_device
 from flyspec.models.loading import looks_like_hub_id, resolve_dtype
+from flyspec.models.pair import end_token_ids, load_pair
 from tests.tiny import (
     make_tiny_model,
     make_tiny_tokenizer,
@@ -107,7 +107,7 @@ def test_load_gguf_file(tiny_gguf: tuple[Path, torch.nn.Module]) -> None:
     # A request ends at the end of a turn. Which token transformers names the tokenizer's EOS
     # varies with its version (5.17: <|endoftext|>, later <|im_end|>); the model's generation
     # config adds the GGUF's own end token either way.
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos_token_ids(tokenizer, model)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in end_token_ids(tokenizer, model)
     assert tokenizer.decode(tokenizer.encode(CODE)) == CODE
 
 
@@ -256,3 +256,36 @@ def test_corrupt_gguf_gives_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(FlyspecError, match="could not load the model from .*bad.gguf"):
         load_causal_lm(str(path))
+
+
+def test_a_pair_on_the_cpu_kernels_reads_its_vocabulary_and_says_what_runs_it(
+    pair: tuple[Path, Path],
+) -> None:
+    """The kernels are applied before the models are wrapped: the packed and quantised output
+    layers still give the logits' rows, and the logits are those of the plain target."""
+    from flyspec.config import KernelConfig
+    from flyspec.engine import Engine
+
+    draft, target = pair
+    loaded = load_pair(target=str(target), draft=str(draft))
+    plain = load_pair(target=str(target), with_draft=False, kernels=KernelConfig.plain())
+    rows = load_causal_lm(str(target)).config.vocab_size
+    assert loaded.target.vocab_size == loaded.draft.vocab_size == plain.target.vocab_size == rows
+    assert loaded.target_name == str(target) and loaded.draft_name == str(draft)
+    assert loaded.kernels["draft_quant"] == "int8" and loaded.kernels["forward"] == "lean"
+    assert set(loaded.kernels) >= {"draft_forward", "target_packed_layers", "draft_packed_layers"}
+    assert plain.draft is None and plain.draft_name is None
+    assert "draft_forward" not in plain.kernels and plain.kernels["linear"] == "default"
+    assert loaded.cost_settings == {"dtype": "torch.float32", "device": "cpu"}
+    prompt = [1, 5, 9, 4]
+    torch.testing.assert_close(
+        loaded.target.logits(prompt, 2), plain.target.logits(prompt, 2), atol=1e-4, rtol=1e-4
+    )
+    engine = Engine.from_pair(loaded)
+    assert engine.kernels == loaded.kernels and engine.decoder.target is loaded.target
+    assert engine.vocab_size == rows and engine.decoder.auto_k_store is not None
+
+
+def test_an_unknown_backend_is_refused_before_loading() -> None:
+    with pytest.raises(FlyspecError, match="backend must be one of"):
+        load_pair(target="/nowhere", backend="onnx")

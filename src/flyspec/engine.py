@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.config import BACKENDS, DecodeConfig, KernelConfig, LlamaCppConfig
+from flyspec.config import DecodeConfig, KernelConfig, LlamaCppConfig
 from flyspec.decoding.drafters import Drafter
 from flyspec.decoding.grammar import Grammar, GrammarTokenizer, json_schema_grammar
 from flyspec.decoding.logprobs import TokenLogprob
@@ -19,7 +19,8 @@ from flyspec.decoding.loop import Origin, SpeculativeDecoder, TokenEvent
 from flyspec.decoding.stats import RequestStats
 from flyspec.errors import FlyspecError
 from flyspec.models.cache import LanguageModel
-from flyspec.models.llamacpp import LlamaCppLM, gguf_tokenizer, llamacpp_identity
+from flyspec.models.llamacpp import LlamaCppLM
+from flyspec.models.pair import LoadedPair, describe_kernels, end_token_ids, load_pair
 
 
 class StopTextDecoder:
@@ -131,7 +132,12 @@ class GenerationResult:
 
 
 class Engine:
-    """A target model, an optional draft model sharing its tokenizer, and the tokenizer."""
+    """A target model, an optional draft model sharing its tokenizer, and the tokenizer.
+
+    :meth:`load` (or :meth:`from_pair` over :func:`flyspec.models.pair.load_pair`) loads a
+    pair by name; the constructor takes models already built: torch modules (run by
+    ``forward_path``) or language models. ``kernels``: what runs them, as reports and caches
+    give it (by default :func:`~flyspec.models.pair.describe_kernels`)."""
 
     def __init__(
         self,
@@ -142,6 +148,7 @@ class Engine:
         target_name: str = "target",
         draft_name: str | None = None,
         forward_path: str = "auto",
+        kernels: dict | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.target_name = target_name
@@ -149,22 +156,31 @@ class Engine:
         self.decoder = SpeculativeDecoder(
             target_model,
             draft_model,
-            eos_token_ids=eos_token_ids(tokenizer, target_model),
+            eos_token_ids=end_token_ids(tokenizer, target_model),
             forward_path=forward_path,
         )
         self.backend = "llamacpp" if isinstance(self.decoder.target, LlamaCppLM) else "torch"
-        if self.backend == "llamacpp":
-            self.kernels: dict = {"backend": "llamacpp", **llamacpp_identity(self.decoder.target)}
-        else:
-            self.kernels = {
-                "linear": "default",
-                "draft_quant": "none",
-                "target_quant": "none",
-                "forward": self.decoder.target.forward_path,
-            }
-        if self.decoder.draft is not None:
-            self.kernels["draft_forward"] = self.decoder.draft.forward_path
+        self.kernels: dict = (
+            dict(kernels)
+            if kernels is not None
+            else describe_kernels(target=self.decoder.target, draft=self.decoder.draft)
+        )
         self._grammar_tokenizer: GrammarTokenizer | None = None
+
+    @classmethod
+    def from_pair(cls, pair: LoadedPair) -> Engine:
+        """The engine over a pair :func:`~flyspec.models.pair.load_pair` loaded; ``-k auto``'s
+        measured forward costs are kept for it (:meth:`keep_forward_costs`)."""
+        engine = cls(
+            target_model=pair.target,
+            draft_model=pair.draft,
+            tokenizer=pair.tokenizer,
+            target_name=pair.target_name,
+            draft_name=pair.draft_name,
+            kernels=pair.kernels,
+        )
+        engine.keep_forward_costs(pair.cost_settings)
+        return engine
 
     def keep_forward_costs(self, settings: dict) -> None:
         """Keep ``-k auto``'s measured forward costs under ``$FLYSPEC_HOME`` for these models,
@@ -240,96 +256,22 @@ class Engine:
         backend: str = "torch",
         llamacpp: LlamaCppConfig | None = None,
     ) -> Engine:
-        """Load a pair (the embedded default pair where a name is None), check that the two
-        tokenizers agree and switch the models to ``kernels`` (by default the kernels every
-        ``flyspec`` command uses, so that the library gives the commands' tokens).
-        ``with_draft=False`` skips the draft (target-only decoding).
-
-        ``backend="llamacpp"``: the models are GGUF files run by llama.cpp (the default pair's
-        are those of ``flyspec models pull --gguf``), with ``llamacpp``'s settings; ``device``,
-        ``dtype`` and ``kernels`` do not apply."""
-        if backend not in BACKENDS:
-            raise FlyspecError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if backend == "llamacpp":
-            return cls._load_llamacpp(
-                target=target, draft=draft, with_draft=with_draft, settings=llamacpp
+        """Load a pair by name and build the engine over it: :func:`~flyspec.models.pair.load_pair`
+        (the same arguments) then :meth:`from_pair`. By default the embedded default pair on
+        the kernels every ``flyspec`` command uses, so that the library gives the commands'
+        tokens; ``backend="llamacpp"``: GGUF files run by llama.cpp."""
+        return cls.from_pair(
+            load_pair(
+                target=target,
+                draft=draft,
+                with_draft=with_draft,
+                device=device,
+                dtype=dtype,
+                kernels=kernels,
+                backend=backend,
+                llamacpp=llamacpp,
             )
-        kernels = kernels or KernelConfig()
-        from flyspec.models import (
-            check_same_tokenizer,
-            load_causal_lm,
-            load_tokenizer,
-            resolve_pair,
         )
-        from flyspec.models.kernels import (
-            apply_cpu_kernels,
-            check_compiled_forward,
-            check_target_quant,
-        )
-
-        if target is None or (with_draft and draft is None):
-            target, draft = resolve_pair(target, draft)
-        if device == "cpu":  # before minutes of loading
-            check_target_quant(kernels.target_quant, dtype)
-            check_compiled_forward(kernels)
-        tokenizer = load_tokenizer(target)
-        draft_model = None
-        if with_draft:
-            check_same_tokenizer(
-                load_tokenizer(draft), tokenizer, draft_name=draft, target_name=target
-            )
-            # Beside a target spread over the GPUs, the small draft lives on the first one.
-            draft_device = "cuda:0" if device == "balanced" else device
-            draft_model = load_causal_lm(draft, dtype=dtype, device=draft_device)
-        target_model = load_causal_lm(target, dtype=dtype, device=device)
-        engine = cls(
-            target_model=target_model,
-            draft_model=draft_model,
-            tokenizer=tokenizer,
-            target_name=target,
-            draft_name=draft if with_draft else None,
-            forward_path=kernels.forward,
-        )
-        apply_cpu_kernels(engine, kernels)
-        engine.keep_forward_costs({"dtype": str(dtype), "device": str(device)})
-        return engine
-
-    @classmethod
-    def _load_llamacpp(
-        cls,
-        *,
-        target: str | None,
-        draft: str | None,
-        with_draft: bool,
-        settings: LlamaCppConfig | None,
-    ) -> Engine:
-        from flyspec.models import check_same_tokenizer
-        from flyspec.models.default_pair import default_gguf_paths
-        from flyspec.models.llamacpp_binding import binding_build, require_llamacpp
-
-        settings = settings or LlamaCppConfig()
-        require_llamacpp()  # before anything slow
-        if target is None or (with_draft and draft is None):
-            defaults = default_gguf_paths()
-            target = target or str(defaults.target)
-            draft = draft or str(defaults.draft)
-        tokenizer = gguf_tokenizer(target)
-        draft_lm = None
-        if with_draft:
-            check_same_tokenizer(
-                gguf_tokenizer(draft), tokenizer, draft_name=draft, target_name=target
-            )
-            draft_lm = LlamaCppLM(draft, context=settings.context, threads=settings.threads)
-        target_lm = LlamaCppLM(target, context=settings.context, threads=settings.threads)
-        engine = cls(
-            target_model=target_lm,
-            draft_model=draft_lm,
-            tokenizer=tokenizer,
-            target_name=target,
-            draft_name=draft if with_draft else None,
-        )
-        engine.keep_forward_costs({"binding": binding_build()})
-        return engine
 
     @property
     def has_chat_template(self) -> bool:
@@ -581,20 +523,3 @@ def prediction_token_ids(tokenizer, prediction: str) -> list[int]:
     """Token ids of a predicted answer (Predicted Outputs), tokenized as answer text is: no
     special tokens added."""
     return list(tokenizer.encode(prediction, add_special_tokens=False))
-
-
-def eos_token_ids(tokenizer, model: torch.nn.Module | LanguageModel) -> set[int]:
-    """Every token that ends a request: the tokenizer's EOS and the model's generation config
-    (a llama.cpp model: the tokens llama.cpp ends a generation at)."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if isinstance(model, LlamaCppLM):
-        return ids | model.end_of_generation_tokens()
-    generation_config = getattr(model, "generation_config", None)
-    configured = getattr(generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(int(i) for i in configured)
-    return ids

@@ -147,6 +147,37 @@ def method_block(name: str) -> int | str | None:
     return int(text)
 
 
+def flyspec_method(name: str) -> str:
+    """The flyspec method a method of flyspec's decoder runs, on either engine, without its
+    ``@K``: ``llamacpp-fly@5`` -> ``fly``. FlyspecError for a method that is not one."""
+    base = method_base(name)
+    method = LLAMACPP_LOOP_METHODS.get(base, base)
+    if method not in FLYSPEC_METHODS:
+        raise FlyspecError(f"{name} is not a method of flyspec's decoder")
+    return method
+
+
+def method_config(name: str, config: DecodeConfig) -> DecodeConfig:
+    """The settings flyspec's decoder runs method ``name`` with (``fly``, ``fly@5``,
+    ``llamacpp-fly-mla``...): ``config`` in the method's mode and drafter, with its block
+    size, and the paper's rule for ``fly-paper``."""
+    mode, drafter = FLYSPEC_METHODS[flyspec_method(name)]
+    if method_base(name) in PAPER_RULE_METHODS:
+        config = config.with_updates(fly=FlyConfig())
+    block = method_block(name)
+    if block == "auto":
+        config = config.with_updates(auto_k=True)
+    elif block is not None:
+        config = config.with_updates(k=block, auto_k=False)
+    return config.with_updates(mode=mode, drafter=drafter)
+
+
+def uses_prediction(name: str) -> bool:
+    """Whether method ``name`` drafts from the prompt's prediction (Predicted Outputs)."""
+    base = method_base(name)
+    return LLAMACPP_LOOP_METHODS.get(base, base) in PREDICTION_METHODS
+
+
 def parse_methods(text: str, *, baseline: str = "target") -> list[str]:
     """``"target,fly"`` -> ``["target", "fly"]``, validated; the ``baseline`` of every
     speedup comes first (added when missing)."""
@@ -213,24 +244,16 @@ class FlyspecMethod:
     the whole token stream."""
 
     def __init__(self, name: str, engine, config: DecodeConfig) -> None:
-        base = method_base(name)
-        mode, drafter = FLYSPEC_METHODS[LLAMACPP_LOOP_METHODS.get(base, base)]
-        if base in PAPER_RULE_METHODS:
-            config = config.with_updates(fly=FlyConfig())
-        block = method_block(name)
-        if block == "auto":
-            config = config.with_updates(auto_k=True)
-        elif block is not None:
-            config = config.with_updates(k=block, auto_k=False)
         self.name = name
         self.decoder = engine.decoder
-        self.config = config.with_updates(mode=mode, drafter=drafter)
-        self.uses_prediction = LLAMACPP_LOOP_METHODS.get(base, base) in PREDICTION_METHODS
+        self.config = config = method_config(name, config)
+        mode, drafter = config.mode, config.drafter
+        self.uses_prediction = uses_prediction(name)
         self.settings = {"mode": mode, "drafter": drafter, "backend": engine.backend}
         if self.uses_prediction:
             self.settings.update(prediction=True, loosen_predicted=config.loosen_predicted)
         if mode != "target":
-            self.settings["k"] = "auto" if self.config.auto_k else self.config.k
+            self.settings["k"] = "auto" if config.auto_k else config.k
         if mode == "fly":
             self.settings.update(asdict(config.fly))
 

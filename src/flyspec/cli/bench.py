@@ -1,5 +1,6 @@
 """``flyspec bench``: speed of flyspec's methods and transformers' peers side by side, of vLLM's
-methods (``--engine vllm``), or the cost of a multi-token forward (``--forward-cost``)."""
+methods (``--engine vllm``), of one method against the target alone on one prompt
+(``--prompt``, the quick start's), or the cost of a multi-token forward (``--forward-cost``)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from flyspec.bench.methods import (
     ALL_METHODS,
     DEFAULT_METHODS,
     DEFAULT_VLLM_METHODS,
+    FLYSPEC_METHODS,
     GGUF_METHODS,
     LLAMA_SERVER_METHOD_NAMES,
+    LLAMACPP_LOOP_METHODS,
     LLAMACPP_METHODS_NEEDING_DRAFT,
     METHODS_NEEDING_DRAFT,
     VLLM_METHOD_NAMES,
     method_base,
     parse_methods,
 )
+from flyspec.bench.one_prompt import DEFAULT_PAIRS
 from flyspec.bench.prompts import DATASET_NAMES, BenchPrompt
 from flyspec.cli.options import (
     add_backend_arguments,
@@ -33,7 +37,7 @@ from flyspec.cli.options import (
     dtype_name,
     forward_threads,
     load_engine,
-    load_llamacpp_engine,
+    say,
     vllm_engine_spec,
 )
 from flyspec.errors import FlyspecError
@@ -45,8 +49,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "bench",
         help="measure speed: flyspec's methods and transformers' peers side by side",
         description="Measure the speed of flyspec's methods and transformers' peers on the same "
-        "models and prompts, interleaved per prompt; or (--forward-cost) the cost of a multi-token "
-        "forward relative to a one-token forward.",
+        "models and prompts, interleaved per prompt; or (--prompt) one method against the target "
+        "alone and llama.cpp's plain decoding on one prompt; or (--forward-cost) the cost of a "
+        "multi-token forward relative to a one-token forward.",
     )
     add_model_arguments(bench)
     runs = bench.add_argument_group("what runs")
@@ -66,7 +71,24 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--prompts-file",
         help='JSONL file, one {"prompt": ..., "id": ...} per line, instead of a dataset',
     )
-    runs.add_argument("--limit", type=int, default=10, help="number of prompts (default 10)")
+    source.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="instead: this one prompt ('-' reads standard input), --methods' one method of "
+        "flyspec's decoder (default fly) timed alternately with the target alone and, where "
+        "the target's GGUF file is known, llama.cpp's plain decoding of it (by llama-server "
+        "where it is built, by the binding where it is installed); the method's last answer "
+        "streamed, then the speedup and whether the machine was quiet enough to trust it",
+    )
+    runs.add_argument(
+        "--limit", type=int, default=None, help=f"number of prompts (default {DEFAULT_LIMIT})"
+    )
+    runs.add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="with --prompt: a file holding text the answer is expected to largely repeat "
+        "('-' reads standard input), which the *predict methods draft from (Predicted Outputs)",
+    )
     add_chat_argument(
         runs, default=None, help="apply the chat template (default: when the tokenizer has one)"
     )
@@ -76,8 +98,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=None,
         help="interleaved passes over what is timed: over the prompts, each running every "
         "method once per prompt in a rotated order (default 1; speeds and speedups are then "
-        "medians with their range), or with --forward-cost over the forward sizes, each "
-        "timing every n once (default 5)",
+        "medians with their range); with --prompt, alternated runs of the target alone and "
+        f"the method (default {DEFAULT_PAIRS}); or with --forward-cost over the forward "
+        "sizes, each timing every n once (default 5)",
     )
     # Each method fixes its mode and drafter; stop strings and draft sampling do not apply.
     add_decode_arguments(bench, leave_out=("mode", "drafter", "stop", "draft_temperature"))
@@ -85,11 +108,19 @@ def add_parser(commands) -> argparse.ArgumentParser:
     output.add_argument(
         "--output", help="output folder (default: results/bench-<dataset>-<timestamp>)"
     )
-    output.add_argument(
+    shown = output.add_mutually_exclusive_group()
+    shown.add_argument(
         "--json",
         action="store_true",
         help="print the JSON report on stdout instead of the table (which goes to stderr), "
-        "as generate --json prints its result instead of the text",
+        "as generate --json prints its result instead of the text; with --prompt, "
+        "generate --json's object with the comparison's figures",
+    )
+    shown.add_argument(
+        "--show",
+        action="store_true",
+        help="with --prompt: colour each token of the answer by how it was obtained (exact, "
+        "loose, correction, bonus), as generate --show",
     )
     output.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
@@ -144,7 +175,26 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_LIMIT = 10
+"""Prompts of a dataset or file where --limit does not say."""
+
+ONE_PROMPT_ONLY = ("prediction", "show")
+"""The options of --prompt alone, by destination."""
+NOT_WITH_ONE_PROMPT = ("limit", "output", "compare", "forward_cost")
+"""The options --prompt has no use for, by destination (their defaults are None or False)."""
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    if args.prompt is None:
+        given = [name for name in ONE_PROMPT_ONLY if getattr(args, name)]
+        if given:
+            raise FlyspecError(f"--{given[0].replace('_', '-')} is for --prompt")
+    else:
+        given = [name for name in NOT_WITH_ONE_PROMPT if getattr(args, name)]
+        if args.engine == "vllm":
+            given.append("engine vllm")
+        if given:
+            raise FlyspecError(f"--prompt times one prompt: drop --{given[0].replace('_', '-')}")
     if args.limit is not None and args.limit < 1:
         raise FlyspecError(f"--limit must be >= 1, got {args.limit}")
     forward_threads(args)
@@ -163,7 +213,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.backend == "llamacpp" and not args.forward_cost:
         raise FlyspecError(
             "bench runs llama.cpp through its llamacpp-* methods (e.g. --methods "
-            "llamacpp-target,llamacpp-fly,target,fly); --backend llamacpp is for --forward-cost"
+            "llamacpp-target,llamacpp-fly,target,fly, or --methods llamacpp-fly with --prompt); "
+            "--backend llamacpp is for --forward-cost"
         )
 
 
@@ -171,6 +222,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from flyspec.bench import run_benchmark
 
     _check_args(args)
+    if args.prompt is not None:
+        return _run_one_prompt(args)
     vllm_engine = args.engine == "vllm"
     requested = args.methods or ",".join(DEFAULT_VLLM_METHODS if vllm_engine else DEFAULT_METHODS)
     baseline = _baseline(requested, vllm_engine=vllm_engine)
@@ -193,8 +246,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if bases - on_gguf:
         engine = load_engine(args, with_draft=bool(METHODS_NEEDING_DRAFT & bases))
     if on_gguf:
-        llamacpp_engine = load_llamacpp_engine(
-            args, with_draft=bool(LLAMACPP_METHODS_NEEDING_DRAFT & bases)
+        llamacpp_engine = load_engine(
+            args, with_draft=bool(LLAMACPP_METHODS_NEEDING_DRAFT & bases), backend="llamacpp"
         )
     prompts, dataset, chat = _prompts(args, (engine or llamacpp_engine).tokenizer)
     output = Path(args.output or f"results/bench-{dataset}-{stamp}")
@@ -284,14 +337,15 @@ def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[BenchPrompt], st
     chat = args.chat
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
+    limit = args.limit or DEFAULT_LIMIT
     if args.prompts_file:
         from flyspec.bench.prompts import read_prompts_file
 
-        prompts = read_prompts_file(args.prompts_file, limit=args.limit, chat=chat)
+        prompts = read_prompts_file(args.prompts_file, limit=limit, chat=chat)
         return prompts, Path(args.prompts_file).stem, chat
     from flyspec.bench.prompts import dataset_prompts
 
-    return dataset_prompts(args.dataset, limit=args.limit, chat=chat), args.dataset, chat
+    return dataset_prompts(args.dataset, limit=limit, chat=chat), args.dataset, chat
 
 
 def _finish(args: argparse.Namespace, report: dict, output: Path) -> int:
@@ -363,3 +417,65 @@ def _run_forward_cost(args: argparse.Namespace, config, output: Path) -> int:
         print(table)
     print(f"wrote forward-cost.json, forward-cost.md to {output}", file=sys.stderr)
     return 0
+
+
+def _run_one_prompt(args: argparse.Namespace) -> int:
+    """--prompt: one method of flyspec's decoder timed alternately with the target alone and
+    llama.cpp's plain decoding (:class:`~flyspec.bench.one_prompt.TargetComparison`); its
+    last answer streamed (or --json's object), then the comparison's lines."""
+    from flyspec.bench.methods import method_config, uses_prediction
+    from flyspec.bench.one_prompt import TargetComparison, plain_llamacpp_peers
+    from flyspec.cli.generate import json_result, read_prompt_and_prediction, stream_answer
+
+    name = _one_method(args.methods or "fly")
+    if uses_prediction(name) and args.prediction is None:
+        raise FlyspecError(f"{name} drafts from a prediction: give --prediction FILE")
+    if args.prediction is not None and not uses_prediction(name):
+        raise FlyspecError(
+            f"{name} drafts from no prediction: --prediction is for the *predict methods"
+        )
+    config = method_config(name, decode_config_from_args(args))
+    prompt, prediction = read_prompt_and_prediction(args.prompt, args.prediction)
+    backend = "llamacpp" if method_base(name) in LLAMACPP_LOOP_METHODS else "torch"
+    engine = load_engine(args, with_draft=config.uses_draft_model, backend=backend)
+    prompt_ids = engine.encode(prompt, chat=args.chat)
+    prediction_ids = None if prediction is None else engine.encode_prediction(prediction)
+    peers = plain_llamacpp_peers(
+        engine,
+        config,
+        default_target=args.target is None,
+        threads=forward_threads(args),
+        context=args.llamacpp_context,
+    )
+    comparison = TargetComparison(pairs=args.repeats or DEFAULT_PAIRS, label=name, peers=peers)
+    try:
+        comparison.start(engine, prompt_ids, config, prediction=prediction_ids)
+        if args.json:
+            result = engine.generate(prompt_ids, config, prediction=prediction_ids)
+            print(json_result(result, **comparison.finish(result.stats)))
+            return 0
+        stats = stream_answer(
+            engine, prompt_ids, config, label=name, show=args.show, prediction=prediction_ids
+        )
+        comparison.finish(stats)
+        say(comparison.line())
+        return 0
+    finally:
+        comparison.close()
+
+
+def _one_method(text: str) -> str:
+    """--methods with --prompt: one method of flyspec's decoder, on either engine, other than
+    the target alone (which the comparison runs by itself)."""
+    decoding = [
+        name
+        for name in (*FLYSPEC_METHODS, *LLAMACPP_LOOP_METHODS)
+        if FLYSPEC_METHODS[LLAMACPP_LOOP_METHODS.get(name, name)][0] != "target"
+    ]
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if len(names) != 1 or method_base(names[0]) not in decoding:
+        raise FlyspecError(
+            "--prompt times one method of flyspec's decoder against the target alone: give "
+            f"--methods one of {', '.join(decoding)} (maybe with @K), got {text!r}"
+        )
+    return parse_methods(names[0], baseline=names[0])[0]  # @K checked

@@ -211,34 +211,40 @@ def dtype_name(args: argparse.Namespace) -> str:
     return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
 
 
-def load_engine(args: argparse.Namespace, *, with_draft: bool):
-    """Load the model pair named by --model/--draft-model with the chosen kernels and threads,
-    reporting progress on stderr."""
-    import torch
-
+def load_engine(args: argparse.Namespace, *, with_draft: bool, backend: str | None = None):
+    """Load the model pair named by --model/--draft-model on ``backend`` (None: --backend)
+    with the chosen kernels and threads (:func:`flyspec.models.pair.load_pair`), reporting
+    progress on stderr."""
     from flyspec.engine import Engine
-    from flyspec.models.loading import resolve_dtype
-    from flyspec.support.cpu_math import set_torch_threads
+    from flyspec.models.pair import load_pair
 
+    backend = backend or args.backend
     started = time.perf_counter()
     say(f"loading models{' (target only)' if not with_draft else ''} ...")
-    if args.backend == "llamacpp":
-        return load_llamacpp_engine(args, with_draft=with_draft)
-    if forward_threads(args):
-        set_torch_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, args.device)
-    engine = Engine.load(
-        target=args.target,
-        draft=args.draft,
-        with_draft=with_draft,
-        device=args.device,
-        dtype=dtype,
-        kernels=kernel_config_from_args(args),
+    settings = _llamacpp_settings(args) if backend == "llamacpp" else _torch_settings(args)
+    engine = Engine.from_pair(
+        load_pair(
+            target=args.target,
+            draft=args.draft,
+            with_draft=with_draft,
+            backend=backend,
+            **settings,
+        )
     )
     kernels = engine.kernels
-    chosen = str(dtype).removeprefix("torch.") + (" (auto)" if args.dtype == "auto" else "")
+    seconds = time.perf_counter() - started
+    if backend == "llamacpp":
+        say(
+            f"loaded on llama.cpp {kernels['llamacpp']} in {seconds:.1f}s "
+            f"(threads: {kernels['threads']}, target: {kernels['weights']})"
+        )
+        return engine
+    import torch
+
+    chosen = str(settings["dtype"]).removeprefix("torch.")
+    chosen += " (auto)" if args.dtype == "auto" else ""
     say(
-        f"loaded in {time.perf_counter() - started:.1f}s (dtype: {chosen}, "
+        f"loaded in {seconds:.1f}s (dtype: {chosen}, "
         f"threads: {torch.get_num_threads()}, "
         f"linear: {kernels['linear']}, draft: {kernels['draft_quant']}, "
         f"target: {kernels['target_quant']}, forward: {kernels['forward']})"
@@ -246,29 +252,32 @@ def load_engine(args: argparse.Namespace, *, with_draft: bool):
     return engine
 
 
-def load_llamacpp_engine(args: argparse.Namespace, *, with_draft: bool):
-    """The pair named by --model/--draft-model (the default pair's GGUF files) on llama.cpp."""
-    from flyspec.engine import Engine
+def _torch_settings(args: argparse.Namespace) -> dict:
+    """:func:`~flyspec.models.pair.load_pair`'s torch settings from --device, --dtype and the
+    kernel options; --threads set for torch here (it holds for the whole process)."""
+    from flyspec.models.loading import resolve_dtype
+    from flyspec.support.cpu_math import set_torch_threads
 
+    if forward_threads(args):
+        set_torch_threads(args.threads)
+    return {
+        "device": args.device,
+        "dtype": resolve_dtype(args.dtype, args.device),
+        "kernels": kernel_config_from_args(args),
+    }
+
+
+def _llamacpp_settings(args: argparse.Namespace) -> dict:
+    """:func:`~flyspec.models.pair.load_pair`'s llama.cpp settings from --threads and
+    --llamacpp-context; FlyspecError where --device or --dtype asks for what llama.cpp does
+    not do."""
     if args.device not in ("cpu", "auto") or args.dtype not in ("auto", "float32"):
         raise FlyspecError(
             "--backend llamacpp runs the GGUF files' own weights on the CPU: drop --device and "
             "--dtype"
         )
-    started = time.perf_counter()
-    engine = Engine.load(
-        target=args.target,
-        draft=args.draft,
-        with_draft=with_draft,
-        backend="llamacpp",
-        llamacpp=cfg.LlamaCppConfig(context=args.llamacpp_context, threads=forward_threads(args)),
-    )
-    kernels = engine.kernels
-    say(
-        f"loaded on llama.cpp {kernels['llamacpp']} in {time.perf_counter() - started:.1f}s "
-        f"(threads: {kernels['threads']}, target: {kernels['weights']})"
-    )
-    return engine
+    context = args.llamacpp_context
+    return {"llamacpp": cfg.LlamaCppConfig(context=context, threads=forward_threads(args))}
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

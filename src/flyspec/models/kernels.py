@@ -1,5 +1,5 @@
 """Faster CPU kernels for a loaded model pair: oneDNN-packed float32 Linear layers and
-weight quantisation. :meth:`flyspec.engine.Engine.load` applies them as its
+weight quantisation. :func:`flyspec.models.pair.load_pair` applies them as its
 :class:`~flyspec.config.KernelConfig` says; what they gain is measured by
 ``flyspec bench --forward-cost`` (docs/benchmarks.md).
 """
@@ -251,22 +251,22 @@ def check_compiled_forward(kernels: KernelConfig) -> None:
         )
 
 
-def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
-    """Switch a loaded engine's models to the CPU kernels of ``kernels``, in place; return
-    what was done (also kept as ``engine.kernels``).
+def apply_cpu_kernels(
+    *, target: torch.nn.Module, draft: torch.nn.Module | None, kernels: KernelConfig
+) -> dict:
+    """Switch a loaded pair's torch modules to the CPU kernels of ``kernels``, in place, before
+    they are wrapped for decoding; return what was done (the CPU part of
+    :attr:`~flyspec.models.pair.LoadedPair.kernels`).
 
-    Must run after the engine is built (its decoder has read the vocabulary size from the
-    target's output layer). Quantisation comes first; the float32 Linear layers left are then
-    packed for oneDNN. A quantised draft is made from float32 weights whatever the target's
-    dtype; a quantised target needs float32 weights (FlyspecError otherwise). Models on other
-    devices are left as they are.
+    Quantisation comes first; the float32 Linear layers left are then packed for oneDNN. A
+    quantised draft is made from float32 weights whatever the target's dtype; a quantised
+    target needs float32 weights (FlyspecError otherwise). Models on other devices are left
+    as they are. Every replaced layer keeps ``out_features``, from which the logits' rows are
+    read (:func:`~flyspec.models.lean.output_rows`).
     """
     linear, draft_quant, target_quant = kernels.linear, kernels.draft_quant, kernels.target_quant
     done = {"linear": linear, "draft_quant": draft_quant, "target_quant": target_quant}
-    roles = {
-        "draft": (engine.draft_model, draft_quant),
-        "target": (engine.target_model, target_quant),
-    }
+    roles = {"draft": (draft, draft_quant), "target": (target, target_quant)}
     for role, (model, quant) in roles.items():
         if model is None or next(model.parameters()).device.type != "cpu":
             done[f"{role}_packed_layers"] = 0
@@ -283,5 +283,4 @@ def apply_cpu_kernels(engine, kernels: KernelConfig) -> dict:
         elif quant == "fp16":
             quantize_fp16(model)
         done[f"{role}_packed_layers"] = pack_linear_layers(model) if linear == "onednn" else 0
-    engine.kernels = {**engine.kernels, **done}
-    return engine.kernels
+    return done
