@@ -36,6 +36,7 @@ from flyspec.bench.sample_run import SampleRun
 from flyspec.config import SamplingConfig
 from flyspec.errors import FlyspecError
 from flyspec.support.child_server import ChildServer
+from flyspec.support.huge_pages import started_environment
 
 # name -> --spec-type, or None: plain decoding.
 LLAMA_SERVER_METHODS: dict[str, str | None] = {
@@ -142,6 +143,7 @@ class LlamaServerMethod:
             name,
             lambda port: [self.binary, *arguments, "--port", str(port)],
             start_seconds=START_SECONDS,
+            environment=started_environment(),  # as its users run it: no restart's tunable
         )
         self.settings = {
             "engine": "llama-server",

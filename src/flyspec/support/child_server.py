@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from flyspec.errors import FlyspecError
 
@@ -28,7 +28,8 @@ class ChildServer:
 
     :meth:`start` waits until ``GET {url}{health}`` answers 200, or raises FlyspecError with
     the last lines of the child's output, on one line, where it exits first or does not
-    answer within ``start_seconds``; :meth:`stop` ends it (also on a failed start)."""
+    answer within ``start_seconds``; :meth:`stop` ends it (also on a failed start).
+    ``environment``: the child's (None: this process's)."""
 
     def __init__(
         self,
@@ -37,8 +38,10 @@ class ChildServer:
         *,
         health: str = "/health",
         start_seconds: float = 600,
+        environment: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.environment = None if environment is None else dict(environment)
         self.port = free_port()
         self.command = [str(part) for part in command_for_port(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,7 +54,11 @@ class ChildServer:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (kept open until stop)
         try:
             self.process = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=self.environment,
             )
         except OSError as error:
             self.stop()
