@@ -13,7 +13,7 @@ the code that should not change what is generated must leave them all the same.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from flyspec.errors import FlyspecError
@@ -73,20 +73,7 @@ def compare_reports(old: Mapping, new: Mapping) -> list[tuple[str, Change, Chang
 def same_tokens(old: Mapping, new: Mapping, method: str) -> tuple[int, int] | None:
     """``(identical, compared)``: of the (prompt, repeat) samples of ``method`` in both
     reports, how many have the same token ids; None when either report holds none."""
-
-    def token_ids(report: Mapping) -> dict:
-        records = (report.get("samples") or {}).get(method) or []
-        return {
-            (r.get("prompt_id"), r.get("repeat", 0)): r["token_ids"]
-            for r in records
-            if r.get("token_ids") is not None
-        }
-
-    before, after = token_ids(old), token_ids(new)
-    shared = [key for key in after if key in before]
-    if not shared:
-        return None
-    return sum(before[key] == after[key] for key in shared), len(shared)
+    return _same_samples(old, new, method, lambda record: record.get("token_ids"))
 
 
 STATISTICS = (
@@ -109,17 +96,28 @@ def same_statistics(old: Mapping, new: Mapping, method: str) -> tuple[int, int] 
     statistics in both reports, how many have the same :data:`STATISTICS`; None when either
     report holds none (a peer's samples, a report from before statistics were kept)."""
 
-    def statistics(report: Mapping) -> dict:
+    def statistics(record: Mapping) -> dict | None:
+        stats = record.get("stats")
+        return {name: stats.get(name) for name in STATISTICS} if stats else None
+
+    return _same_samples(old, new, method, statistics)
+
+
+def _same_samples(
+    old: Mapping, new: Mapping, method: str, value: Callable[[Mapping], object]
+) -> tuple[int, int] | None:
+    """``(identical, compared)``: of the (prompt, repeat) samples of ``method`` for which
+    ``value`` is not None in both reports, how many have the same value there."""
+
+    def values(report: Mapping) -> dict:
         records = (report.get("samples") or {}).get(method) or []
         return {
-            (r.get("prompt_id"), r.get("repeat", 0)): {
-                name: r["stats"].get(name) for name in STATISTICS
-            }
-            for r in records
-            if r.get("stats")
+            (record.get("prompt_id"), record.get("repeat", 0)): found
+            for record in records
+            if (found := value(record)) is not None
         }
 
-    before, after = statistics(old), statistics(new)
+    before, after = values(old), values(new)
     shared = [key for key in after if key in before]
     if not shared:
         return None
