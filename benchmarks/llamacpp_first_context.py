@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from bare_decode import bare_decode_seconds, random_prompt  # noqa: E402
 
 from flyspec.config import LlamaCppConfig  # noqa: E402
 from flyspec.models.default_pair import default_gguf_paths  # noqa: E402
@@ -33,20 +31,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     path = default_gguf_paths().target
-    rng = np.random.default_rng(0)
-    prompt = [int(token) for token in rng.integers(100, 20_000, args.prompt_tokens)]
+    prompt = random_prompt(args.prompt_tokens)
     runners = {
         name: LlamaCppForward(path, context=LlamaCppConfig().context)
         for name in ("first", "second")
     }
 
     def decode(runner: LlamaCppForward) -> float:
-        runner.reset()
-        token = int(runner.forward(torch.tensor([prompt]), 1)[0].numpy().argmax())
-        started = time.perf_counter()
-        for _ in range(args.tokens):
-            token = int(runner.forward(torch.tensor([[token]]), 1)[0].numpy().argmax())
-        return (time.perf_counter() - started) / args.tokens * 1000
+        return bare_decode_seconds(runner, prompt, args.tokens) * 1000
 
     print(describe_machine(machine_identity()))
     print(f"{args.prompt_tokens}-token prompt, {args.tokens} new tokens; ms per new token\n")

@@ -20,36 +20,25 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-TUNABLE = "glibc.malloc.hugetlb=1"
+from flyspec.support.huge_pages import with_huge_pages  # noqa: E402
 
 
 def child(tokens: int) -> None:
     """One process: load, decode three times, print a JSON line."""
-    import numpy as np
-    import torch
+    from bare_decode import bare_decode_seconds, random_prompt
 
     from flyspec.config import LlamaCppConfig
     from flyspec.models.default_pair import default_gguf_paths
     from flyspec.models.llamacpp import LlamaCppForward
 
     runner = LlamaCppForward(default_gguf_paths().target, context=LlamaCppConfig().context)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 20_000, 250)]
-
-    def decode() -> float:
-        runner.reset()
-        token = int(runner.forward(torch.tensor([prompt]), 1)[0].numpy().argmax())
-        started = time.perf_counter()
-        for _ in range(tokens):
-            token = int(runner.forward(torch.tensor([[token]]), 1)[0].numpy().argmax())
-        return (time.perf_counter() - started) / tokens * 1000
-
-    ms = statistics.median(decode() for _ in range(3))
+    prompt = random_prompt(250)
+    ms = statistics.median(bare_decode_seconds(runner, prompt, tokens) * 1000 for _ in range(3))
     huge_kib = next(
         int(line.split()[1])
         for line in Path("/proc/self/smaps_rollup").read_text().splitlines()
@@ -59,9 +48,7 @@ def child(tokens: int) -> None:
 
 
 def run_child(tokens: int, *, huge_pages: bool) -> dict:
-    env = dict(os.environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    env["GLIBC_TUNABLES"] = ":".join(tunables + ([TUNABLE] if huge_pages else []))
+    env = with_huge_pages(os.environ) if huge_pages else dict(os.environ)
     command = [sys.executable, __file__, "--child", "--tokens", str(tokens)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from bare_decode import bare_decode_seconds, random_prompt  # noqa: E402
 
 from flyspec.config import DecodeConfig, LlamaCppConfig  # noqa: E402
 from flyspec.decoding.stats import RequestStats  # noqa: E402
@@ -51,17 +49,12 @@ def main() -> int:
         llamacpp=LlamaCppConfig(),
     )
     decoder, runner = engine.decoder, engine.decoder.target.runner
-    rng = np.random.default_rng(0)
-    prompt = [int(token) for token in rng.integers(100, 20_000, args.prompt_tokens)]
+    prompt = random_prompt(args.prompt_tokens)
     config = DecodeConfig(mode="target", max_new_tokens=args.tokens)
 
     def bare() -> float:
         decoder.target.reset()
-        token = int(runner.forward(torch.tensor([prompt]), 1)[0].numpy().argmax())
-        started = time.perf_counter()
-        for _ in range(args.tokens):
-            token = int(runner.forward(torch.tensor([[token]]), 1)[0].numpy().argmax())
-        return (time.perf_counter() - started) / args.tokens
+        return bare_decode_seconds(runner, prompt, args.tokens)
 
     def loop() -> float:
         decoder.target.reset()

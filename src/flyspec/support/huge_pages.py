@@ -48,6 +48,12 @@ def huge_pages_environment(
         return None
     if name != "glibc" or (major, minor) < (2, 35):
         return None
+    return with_huge_pages(environ)
+
+
+def with_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with glibc's huge-page tunable after its other tunables, and those kept
+    under :data:`BEFORE` for :func:`started_environment`."""
     before = environ.get("GLIBC_TUNABLES", "")
     tunables = [entry for entry in before.split(":") if entry]
     return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, f"{TUNABLE}=1"]), BEFORE: before}
