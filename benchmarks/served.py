@@ -17,12 +17,13 @@ from flyspec.support.child_server import running
 
 @contextmanager
 def serving(arguments: Sequence[str], *, start_seconds: float = 600) -> Iterator[str]:
-    """``flyspec serve ARGUMENTS`` (this Python's flyspec) on a free port: its URL once it
-    answers ``/health``; FlyspecError with its last line where it exits first or does not
-    answer within ``start_seconds``."""
+    """``flyspec serve ARGUMENTS`` (this Python's flyspec, started as its console script starts
+    it: ``python -m flyspec``) on a free port: its URL once it answers ``/health``;
+    FlyspecError with its last line where it exits first or does not answer within
+    ``start_seconds``."""
 
     def command(port: int) -> list[str]:
-        serve = [sys.executable, "-m", "flyspec.cli", "serve", "--port", str(port)]
+        serve = [sys.executable, "-m", "flyspec", "serve", "--port", str(port)]
         return [*serve, "--log-level", "warning", *arguments]
 
     with running("flyspec serve", command, start_seconds=start_seconds) as url:

@@ -52,15 +52,15 @@ def test_no_restart_where_it_gains_nothing(environ, thp_mode, libc):
 
 
 def test_the_command_runs_after_starting_again():
-    """The entry point starts ``python -m flyspec.cli`` again with the tunable where the
-    machine has huge pages to give, and the command's output is the same either way."""
+    """The entry point (``python -m flyspec``, as the console script) starts ``python -m
+    flyspec.cli`` again with the tunable where the machine has huge pages to give, and the
+    command's output is the same either way."""
     source = str(Path(__file__).resolve().parents[1] / "src")
     environment = {**os.environ, "PYTHONPATH": source}
     environment.pop("GLIBC_TUNABLES", None)
-    code = "import sys; from flyspec.entry import main; sys.argv = ['flyspec', '--help']; main()"
     runs = {
         switch: subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-m", "flyspec", "--help"],
             env={**environment, SWITCH: switch},
             capture_output=True,
             text=True,

@@ -14,6 +14,7 @@ import flyspec
 
 SOURCE = Path(flyspec.__file__).parent
 LAYERS = (
+    ("flyspec.__main__",),  # python -m flyspec: the command's entry point
     ("flyspec.entry",),  # the command's entry point, which starts the process again first
     ("flyspec.cli",),
     ("flyspec.bench",),  # its prompts are the evaluation's
@@ -28,7 +29,7 @@ LAYERS = (
     ("flyspec", "flyspec.errors"),
 )
 """Every package and top-level module, top layer first."""
-APPLICATIONS = tuple(package for layer in LAYERS[2:5] for package in layer)
+APPLICATIONS = tuple(package for layer in LAYERS[3:6] for package in layer)
 """The packages between the commands and the library."""
 
 
@@ -203,7 +204,7 @@ def test_only_commands_import_the_cli():
     importers = {
         name: sorted(target for target in targets if target.startswith("flyspec.cli"))
         for name, targets in GRAPH.items()
-        if not name.startswith(("flyspec.cli", "flyspec.entry"))
+        if not name.startswith(("flyspec.cli", "flyspec.entry", "flyspec.__main__"))
     }
     assert {name: cli for name, cli in importers.items() if cli} == {}
 
