@@ -45,6 +45,19 @@ def test_an_answer_that_follows_the_prediction_gets_its_next_tokens():
     assert drafter.plan(PROMPT + prediction[:12]) == "prediction"
 
 
+def test_the_answer_s_first_block_is_a_kind_of_its_own():
+    """Nothing of the answer yet matches the prediction: its start is proposed, as a block of
+    kind ``prediction-start`` (``-k auto`` learns apart how often answers open as their
+    predictions do); once one token follows it, the run is ``prediction``."""
+    prediction = answer_tokens(40)
+    drafter = PredictionDrafter(prediction, prompt_length=len(PROMPT))
+    assert drafter.plan(PROMPT) == "prediction-start"
+    assert drafter.propose(PROMPT, 4).tokens.tolist() == prediction[:4]
+    assert drafter.plan(PROMPT + prediction[:1]) == "prediction"
+    fenced = PredictionDrafter(prediction, prompt_length=len(PROMPT))
+    assert fenced.plan(PROMPT + [900]) == "lookup"  # an answer that opened otherwise
+
+
 def test_an_answer_that_skips_a_predicted_line_is_found_again_at_once():
     """The answer leaves out the prediction's tokens 20-29 (a deleted line): the first tokens
     after the gap match the prediction after it."""

@@ -136,7 +136,7 @@ class LlamaCppForward:
         written = int(self._api.llama_state_seq_get_data(self._context, buffer, size, 0))
         if written == 0:
             return None
-        return (self.length, bytes(buffer[:written])), written
+        return (self.length, ctypes.string_at(buffer, written)), written  # one copy
 
     def restore(self, state: object, length: int) -> None:
         """Hold the first ``length`` positions of a :meth:`snapshot`'s state."""

@@ -150,9 +150,13 @@ class PredictionDrafter(Drafter):
         return found
 
     def plan(self, context: Sequence[int]) -> str:
-        """The kind of the next block: ``prediction`` (in an unbroken run),
-        ``prediction-found`` (a place found again from a short match), else the fallback's."""
+        """The kind of the next block: ``prediction-start`` (the answer's first, a guess that
+        it opens as the prediction does: a chat answer often opens with a code fence
+        first), ``prediction`` (in an unbroken run), ``prediction-found`` (a place found
+        again from a short match), else the fallback's."""
         place = self.place(context)
+        if place is not None and place.matched == 0:
+            return "prediction-start"
         if place is not None:
             return "prediction" if place.sure else "prediction-found"
         if len(self._look_up(context, 1)):
