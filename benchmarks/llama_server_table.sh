@@ -15,7 +15,7 @@
 #      the second pass over the first (benchmarks/prompt_cache_passes.py; Markdown in
 #      OUTPUT_PREFIX-prompt-cache.md).
 # Needs scripts/setup.sh --llamacpp (which builds llama-server) and flyspec models pull --gguf.
-# About 60 minutes on 2 cores. Usage: benchmarks/llama_server_table.sh [OUTPUT_PREFIX]
+# About 45 minutes on 2 cores. Usage: benchmarks/llama_server_table.sh [OUTPUT_PREFIX]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-results/bench-llama-server}"
