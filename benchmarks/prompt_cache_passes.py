@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from served import llama_serving, serving  # noqa: E402
+from served import PassRun, llama_serving, serving, timed_pass  # noqa: E402
 
 from flyspec.bench.prompts import dataset_prompts  # noqa: E402
 from flyspec.support.machine import cpuinfo, git_commit  # noqa: E402
@@ -33,26 +32,6 @@ FLYSPEC_SETTINGS = {
 }
 
 
-def one_pass(url: str, prompts, *, max_tokens: int) -> tuple[int, float, list[str]]:
-    """Completion tokens, seconds and answers of one pass over ``prompts``."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
-    tokens, seconds, answers = 0, 0.0, []
-    for prompt in prompts:
-        started = time.perf_counter()
-        answer = client.chat.completions.create(
-            model="flyspec",
-            messages=list(prompt.messages),
-            max_tokens=max_tokens,
-            temperature=0,
-        )
-        seconds += time.perf_counter() - started
-        tokens += answer.usage.completion_tokens
-        answers.append(answer.choices[0].message.content)
-    return tokens, seconds, answers
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="llamacpp", choices=("llamacpp", "torch"))
@@ -60,15 +39,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     prompts = dataset_prompts("humaneval-edit", limit=args.limit, chat=True)
-    passes: dict[str, list[tuple[int, float, list[str]]]] = {}
+    passes: dict[str, list[PassRun]] = {}
     with llama_serving() as url:
-        passes["llama-server"] = [one_pass(url, prompts, max_tokens=args.max_tokens)]
-        passes["llama-server"].append(one_pass(url, prompts, max_tokens=args.max_tokens))
-    flyspec = ["--backend", args.backend, "--served-model-name", "flyspec", "--mode", "target"]
+        passes["llama-server"] = [timed_pass(url, prompts, max_tokens=args.max_tokens)]
+        passes["llama-server"].append(timed_pass(url, prompts, max_tokens=args.max_tokens))
+    flyspec = ["--backend", args.backend, "--mode", "target"]
     for name, extra in FLYSPEC_SETTINGS.items():
         with serving([*flyspec, *extra], start_seconds=300) as url:
-            runs = [one_pass(url, prompts, max_tokens=args.max_tokens)]
-            runs.append(one_pass(url, prompts, max_tokens=args.max_tokens))
+            runs = [timed_pass(url, prompts, max_tokens=args.max_tokens)]
+            runs.append(timed_pass(url, prompts, max_tokens=args.max_tokens))
             passes[name] = runs
     cpu = cpuinfo()
     print(
@@ -79,8 +58,8 @@ def main() -> int:
     print("\n| server | first pass tok/s | second pass tok/s | second over first | same answers |")
     print("|---|---:|---:|---:|---|")
     for name, (first, second) in passes.items():
-        rates = [tokens / seconds for tokens, seconds, _ in (first, second)]
-        same = sum(a == b for a, b in zip(first[2], second[2], strict=True))
+        rates = [first.tokens_per_second, second.tokens_per_second]
+        same = sum(a == b for a, b in zip(first.answers, second.answers, strict=True))
         print(
             f"| {name} | {rates[0]:.2f} | {rates[1]:.2f} | {rates[1] / rates[0]:.2f}x | "
             f"{same}/{len(prompts)} |"

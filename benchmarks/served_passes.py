@@ -24,7 +24,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,12 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from served import llama_serving, serving  # noqa: E402
+from served import PassRun, llama_serving, serving, timed_pass  # noqa: E402
 
 from flyspec.bench.prompts import BenchPrompt, dataset_prompts  # noqa: E402
 from flyspec.support.machine import cpuinfo, git_commit  # noqa: E402
 
-WARM_UP = ({"role": "user", "content": "Name three colours."},)
 FLYSPEC = ("--backend", "llamacpp", "--no-draft")
 
 
@@ -72,66 +70,17 @@ SETTINGS = {
 BASELINE = "llama-server"
 
 
-@dataclass(frozen=True)
-class PassRun:
-    """One setting's requests in one pass: completion tokens, seconds end to end, the seconds
-    the server itself says it took (llama-server's ``timings``, flyspec's
-    ``speculative.seconds``: reading the prompt and decoding) and the answers."""
-
-    tokens: int
-    seconds: float
-    server_seconds: float
-    answers: list[str]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds
-
-
-def ask(
-    client, model: str, messages, *, max_tokens: int, prediction: str = ""
-) -> tuple[int, float, str]:
-    """One greedy chat request: its completion tokens, the server's own seconds and the
-    answer."""
-    extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
-    answer = client.chat.completions.create(
-        model=model, messages=list(messages), max_tokens=max_tokens, temperature=0, **extra
-    )
-    reported = answer.model_extra or {}
-    if "timings" in reported:
-        server_seconds = (
-            reported["timings"]["prompt_ms"] + reported["timings"]["predicted_ms"]
-        ) / 1000
-    else:
-        server_seconds = reported["speculative"]["seconds"]
-    return answer.usage.completion_tokens, server_seconds, answer.choices[0].message.content
-
-
 def run_setting(setting: Setting, prompts: list[BenchPrompt], *, max_tokens: int) -> PassRun:
     """``setting`` started fresh, warmed up with one short request, then timed on every
     prompt, and stopped."""
-    import openai
-
     if setting.server == "llama-server":
         server = llama_serving(setting.arguments)
     else:
         server = serving(setting.arguments, start_seconds=300)
     with server as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=900)
-        model = client.models.list().data[0].id
-        ask(client, model, WARM_UP, max_tokens=8)
-        tokens, seconds, server_seconds, answers = 0, 0.0, 0.0, []
-        for prompt in prompts:
-            predicted = prompt.prediction if setting.predicted else ""
-            started = time.perf_counter()
-            count, own, answer = ask(
-                client, model, prompt.messages, max_tokens=max_tokens, prediction=predicted
-            )
-            seconds += time.perf_counter() - started
-            tokens += count
-            server_seconds += own
-            answers.append(answer)
-    return PassRun(tokens, seconds, server_seconds, answers)
+        return timed_pass(
+            url, prompts, max_tokens=max_tokens, predicted=setting.predicted, warm_up=True
+        )
 
 
 def median_and_range(values: list[float], unit: str = "") -> str:

@@ -1,5 +1,6 @@
-"""benchmarks/served_passes.py: the ratios taken per pass, the answers compared with
-llama-server's, and the server's own time read from either server's answer."""
+"""benchmarks/served_passes.py: the ratios taken per pass and the answers compared with
+llama-server's; and benchmarks/served.py's requests: the server's own time read from either
+server's answer."""
 
 import importlib.util
 import sys
@@ -11,7 +12,8 @@ _SPEC = importlib.util.spec_from_file_location("served_passes", _PATH)
 served_passes = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = served_passes  # dataclasses look their module up while it runs
 _SPEC.loader.exec_module(served_passes)
-PassRun = served_passes.PassRun
+served = sys.modules["served"]  # imported by served_passes, from benchmarks/
+PassRun = served.PassRun
 
 
 def test_the_ratio_is_taken_per_pass_and_answers_are_compared_with_llama_server_s():
@@ -53,9 +55,9 @@ class Client:
 
 def test_the_server_s_own_time_comes_from_llama_server_s_timings_or_flyspec_s_statistics():
     llama = Client(answer({"timings": {"prompt_ms": 250.0, "predicted_ms": 1250.0}}))
-    assert served_passes.ask(llama, "m", [], max_tokens=4) == (7, 1.5, "done")
+    assert served.ask(llama, "m", [], max_tokens=4) == (7, 1.5, "done")
     assert "prediction" not in llama.sent[0]
     flyspec = Client(answer({"speculative": {"seconds": 2.25}}))
-    assert served_passes.ask(flyspec, "m", [], max_tokens=4, prediction="code") == (7, 2.25, "done")
+    assert served.ask(flyspec, "m", [], max_tokens=4, prediction="code") == (7, 2.25, "done")
     assert flyspec.sent[0]["prediction"] == {"type": "content", "content": "code"}
     assert flyspec.sent[0]["temperature"] == 0

@@ -155,9 +155,9 @@ class PredictionDrafter(Drafter):
         first), ``prediction`` (in an unbroken run), ``prediction-found`` (a place found
         again from a short match), else the fallback's."""
         place = self.place(context)
-        if place is not None and place.matched == 0:
-            return "prediction-start"
         if place is not None:
+            if place.matched == 0:
+                return "prediction-start"
             return "prediction" if place.sure else "prediction-found"
         if len(self._look_up(context, 1)):
             return "lookup"
